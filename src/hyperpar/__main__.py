@@ -1,0 +1,3 @@
+from hyperpar.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Collectively owned execution resources and the expert-parallel MoeExperts layer."""

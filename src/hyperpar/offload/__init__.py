@@ -1,0 +1,1 @@
+"""Activation offload: trace a step, plan what to move to host, replay the plan."""

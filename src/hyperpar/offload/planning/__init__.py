@@ -1,0 +1,1 @@
+"""Planners: turn an ActivationTrace into a ResidencySchedule."""
