@@ -1,0 +1,1 @@
+"""Benchmarks run by ``hyperpar bench``; results go to benchmarks/results/*.json."""

@@ -1,0 +1,131 @@
+"""Run a function on N real gloo ranks (separate processes) with a hard timeout.
+
+A hang fails the test instead of blocking CI, and no process outlives the call.
+Usage::
+
+    results = run_ranks(_body, world_size=2, args=(...,), timeout=60)
+
+``_body(rank, world_size, *args)`` must be a module-level function (spawned processes
+import it). Its return value (picklable) is collected per rank; an exception on any
+rank is re-raised here with that rank's traceback text.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+class RankFailure(AssertionError):
+    """One or more ranks raised, hung, or died."""
+
+    def __init__(self, message: str, errors: dict[int, str]) -> None:
+        super().__init__(message)
+        self.errors = errors
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(
+    rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],
+    init_pg: bool, queue: Any,
+) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        if init_pg:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                    init_method=f"tcp://127.0.0.1:{port}")
+        result = fn(rank, world_size, *args)
+        queue.put((rank, True, result))
+    except BaseException as exc:  # report everything, even SystemExit
+        queue.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        if init_pg and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple[Any, ...] = (),
+    timeout: float = 60.0,
+    init_pg: bool = True,
+    expect_failure: bool = False,
+) -> dict[int, Any]:
+    """Returns {rank: result}. With ``expect_failure`` returns {rank: error text} instead,
+    and fails if any rank succeeded or hung."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, init_pg, queue),
+                    daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    import queue as queue_mod
+    import time
+
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(errors) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                rank, ok, payload = queue.get(timeout=min(remaining, 0.5))
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs)
+                        if not p.is_alive() and r not in results and r not in errors]
+                for r in dead:
+                    # one more chance: its message may still be in flight
+                    try:
+                        rank, ok, payload = queue.get(timeout=1.0)
+                        (results if ok else errors)[rank] = payload
+                    except queue_mod.Empty:
+                        errors[r] = f"rank {r} died with exit code {procs[r].exitcode}"
+                continue
+            (results if ok else errors)[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(results) + len(errors) == world_size else 0.1)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        queue.close()
+    missing = [r for r in range(world_size) if r not in results and r not in errors]
+    for r in missing:
+        errors[r] = f"rank {r} did not finish within {timeout:.0f}s (hang)"
+    if expect_failure:
+        if results or missing:
+            raise RankFailure(
+                f"expected every rank to raise; succeeded: {sorted(results)}, hung: {missing}",
+                errors,
+            )
+        return errors
+    if errors:
+        text = "\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
+        raise RankFailure(f"{len(errors)} of {world_size} ranks failed:\n{text}", errors)
+    return results
