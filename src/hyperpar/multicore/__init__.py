@@ -1,1 +1,19 @@
 """Collectively owned execution resources and the expert-parallel MoeExperts layer."""
+
+from hyperpar.multicore.collective import CollectiveError, collective_call, exchange
+from hyperpar.multicore.manager import MANAGER, ResourceManager, close_groups, register_runtime_release
+from hyperpar.multicore.module import MulticoreModule
+from hyperpar.multicore.resources import ExecutionResources, ResourceGroup
+
+__all__ = [
+    "MANAGER",
+    "CollectiveError",
+    "ExecutionResources",
+    "MulticoreModule",
+    "ResourceGroup",
+    "ResourceManager",
+    "close_groups",
+    "collective_call",
+    "exchange",
+    "register_runtime_release",
+]

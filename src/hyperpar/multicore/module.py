@@ -1,0 +1,188 @@
+"""``MulticoreModule``: a torch module whose native execution resources are bound lazily,
+shared across serial layers, and closed collectively across ranks."""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Hashable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hyperpar.multicore.collective import is_distributed
+from hyperpar.multicore.manager import MANAGER
+from hyperpar.multicore.resources import MemberToken, ResourceGroup
+
+logger = logging.getLogger(__name__)
+
+
+def _check_hashable(name: str, value: Any) -> None:
+    try:
+        hash(value)
+    except TypeError as exc:
+        raise TypeError(f"{name} must be hashable, got {type(value).__name__} {value!r}") from exc
+
+
+class MulticoreModule(torch.nn.Module):
+    """Base class for modules that own long-lived execution resources (workspaces, buffers).
+
+    Subclasses implement ``_create_execution_resources`` and call
+    ``self._get_execution_resources(x)`` in ``forward``; the first call binds the module's
+    group to ``x``'s device and dtype, collectively on every rank of ``_root_group()``.
+    Call ``close()`` in the same order on every rank after the last backward.
+    """
+
+    def __init__(self, *, resource_specification: Any = None, resource_compatibility_key: Hashable = None,
+                 resource_scope_key: Hashable = None) -> None:
+        super().__init__()
+        _check_hashable("resource_compatibility_key", resource_compatibility_key)
+        _check_hashable("resource_scope_key", resource_scope_key)
+        module_type = f"{type(self).__module__}.{type(self).__qualname__}"
+        group = MANAGER.new_group(module_type, resource_compatibility_key, resource_scope_key)
+        token = MANAGER.new_token(module_type)
+        group.members[token] = resource_specification
+        token.group = group
+        self.resource_specification = resource_specification
+        self.resource_compatibility_key = resource_compatibility_key
+        self.resource_scope_key = resource_scope_key
+        self._resource_token: MemberToken | None = token
+        self._resource_was_bound = False
+        # Retires the membership when the module is collected; never frees native memory.
+        self._resource_finalizer = weakref.finalize(self, MANAGER.retire, token)
+
+    # ----- subclass hooks ---------------------------------------------------------------
+    def _create_execution_resources(self, tensor: torch.Tensor, *, shared: bool,
+                                    active_specifications: tuple[Any, ...]) -> Any:
+        """Allocate the resources for the first input ``tensor``; ``active_specifications`` holds
+        every member's specification when the group is shared. Returns an object with
+        ``close()``, ``can_close()`` and ``lifecycle_signature()``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _create_execution_resources")
+
+    def _resource_signature(self, tensor: torch.Tensor) -> Any:
+        """What the resources depend on, identical on every rank (compared across ranks before
+        binding and used to decide whether an orphan can be reused)."""
+        return (repr(self.resource_specification), tensor.device.type, str(tensor.dtype))
+
+    def _root_group(self) -> Any:
+        """The process group the resources depend on: binding and closing are collective over it,
+        and its ``destroy_process_group`` closes them."""
+        return dist.group.WORLD if is_distributed() else None
+
+    # ----- state ------------------------------------------------------------------------
+    @property
+    def _resource_group(self) -> ResourceGroup | None:
+        token = self._resource_token
+        return None if token is None else token.group
+
+    @property
+    def execution_resources_closed(self) -> bool:
+        """True once ``close()`` ran or a cleanup closed the group."""
+        group = self._resource_group
+        return group is None or group.closed
+
+    @property
+    def binding_id(self) -> int | None:
+        """Order of the group's first binding on its root group (None while unbound)."""
+        group = self._resource_group
+        return None if group is None else group.binding_id
+
+    # ----- use ---------------------------------------------------------------------------
+    def _get_execution_resources(self, x: Any) -> Any:
+        """The group's resources, binding them on first use (collectively)."""
+        group = self._resource_group
+        if group is None:
+            error = RuntimeError(f"{type(self).__name__}: execution resources used after close()")
+            if self._resource_was_bound:
+                raise error
+            return MANAGER.bind(None, self, x, error)  # peers may be binding: fail with them
+        if group.closed:
+            raise RuntimeError(f"{type(self).__name__}: execution resources were closed "
+                               f"({group.describe()})")
+        if group.closing:
+            raise RuntimeError(f"{type(self).__name__}: execution resources are closing after a failed "
+                               f"close; call close() again ({group.describe()})")
+        if group.bound:
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{type(self).__name__}: x must be a torch.Tensor, got {type(x).__name__}")
+            if x.device != group.device or x.dtype != group.dtype:
+                raise ValueError(
+                    f"{type(self).__name__}: execution resources (binding id {group.binding_id}) are "
+                    f"bound to device={group.device}, dtype={group.dtype}; got device={x.device}, "
+                    f"dtype={x.dtype}")
+            return group.resources
+        precheck = None if isinstance(x, torch.Tensor) else TypeError(
+            f"{type(self).__name__}: x must be a torch.Tensor, got {type(x).__name__}")
+        resources = MANAGER.bind(group, self, x, precheck)
+        self._resource_was_bound = True
+        return resources
+
+    def close(self) -> None:
+        """Release this module's membership; the last member of a bound group closes it,
+        collectively (call in the same order on every rank). Idempotent; after a failure the
+        module keeps its membership and ``close()`` can be retried."""
+        token = self._resource_token
+        if token is None:
+            return
+        if token.group is not None and token.group.bound:
+            self._resource_was_bound = True
+        MANAGER.close_member(token)
+        self._resource_token = None
+        self._resource_finalizer.detach()
+
+    @classmethod
+    def share_execution_resources(cls, modules: Iterable[MulticoreModule]) -> None:
+        """Give serial modules one resource group, before any of them runs. Members keep their
+        own parameters; only the execution resources are shared."""
+        members = list(modules)
+        if not members:
+            raise ValueError("share_execution_resources: modules is empty")
+        for index, module in enumerate(members):
+            if not isinstance(module, cls):
+                raise TypeError(f"share_execution_resources: modules[{index}] is a "
+                                f"{type(module).__name__}, not a {cls.__name__}")
+        types = {type(m) for m in members}
+        if len(types) > 1:
+            raise TypeError("share_execution_resources: modules have different concrete types: "
+                            + ", ".join(sorted(t.__qualname__ for t in types)))
+        seen: dict[int, int] = {}
+        for index, module in enumerate(members):
+            if id(module) in seen:
+                raise ValueError(f"share_execution_resources: modules[{index}] is the same module as "
+                                 f"modules[{seen[id(module)]}]")
+            seen[id(module)] = index
+        groups: list[ResourceGroup] = []
+        for index, module in enumerate(members):
+            group = module._resource_group
+            if group is None or group.closed:
+                raise RuntimeError(f"share_execution_resources: modules[{index}] is closed")
+            if group.closing:
+                raise RuntimeError(f"share_execution_resources: modules[{index}] is closing")
+            groups.append(group)
+        first = members[0]
+        for index, module in enumerate(members[1:], start=1):
+            if module.resource_compatibility_key != first.resource_compatibility_key:
+                raise ValueError(
+                    "share_execution_resources: different resource_compatibility_key: modules[0] has "
+                    f"{first.resource_compatibility_key!r}, modules[{index}] has "
+                    f"{module.resource_compatibility_key!r}")
+            if module.resource_scope_key != first.resource_scope_key:
+                raise ValueError(
+                    "share_execution_resources: different resource_scope_key: modules[0] has "
+                    f"{first.resource_scope_key!r}, modules[{index}] has {module.resource_scope_key!r}")
+        for index, group in enumerate(groups):
+            if group.bound:
+                raise RuntimeError(f"share_execution_resources: modules[{index}] already ran "
+                                   f"(bound as binding id {group.binding_id}); share before first use")
+            if group.shared:
+                raise RuntimeError(f"share_execution_resources: modules[{index}] already shares its "
+                                   "execution resources with other modules")
+        shared = MANAGER.new_group(groups[0].module_type, first.resource_compatibility_key,
+                                   first.resource_scope_key, shared=True)
+        for module, group in zip(members, groups, strict=True):
+            token = module._resource_token
+            assert token is not None
+            shared.members[token] = group.members.pop(token)
+            token.group = shared
+        logger.debug("%d %s modules now share one resource group", len(members), cls.__name__)
