@@ -7,14 +7,11 @@ op durations and bandwidth; ``TimedPlanner`` is the one that does not.
 
 from __future__ import annotations
 
-import logging
-
 from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
 from hyperpar.offload.planning.byte_model import resident_after_evictions
 from hyperpar.offload.planning.emit import emit_schedule
 from hyperpar.offload.planning.greedy_reference import select_gaps_reference
-
-logger = logging.getLogger(__name__)
+from hyperpar.offload.planning.prediction import attach_prediction
 
 
 class GreedyPlanner:
@@ -23,15 +20,7 @@ class GreedyPlanner:
     def build(self, trace: ActivationTrace) -> ResidencySchedule:
         chosen = select_gaps_reference(trace)
         schedule = emit_schedule(trace, chosen, self.name)
-        resident = resident_after_evictions(trace, chosen)
-        peak = max(resident, default=0)
-        schedule.predicted_peak_bytes = peak
-        if peak > trace.memory_limit_bytes:
-            schedule.deficit_bytes = peak - trace.memory_limit_bytes
-            schedule.deficit_op = resident.index(peak)
-            logger.warning(
-                "greedy plan exceeds the budget of %d bytes by %d bytes at op %d",
-                trace.memory_limit_bytes, schedule.deficit_bytes, schedule.deficit_op,
-            )
         schedule.notes["evicted_gaps"] = len(chosen)
+        schedule.notes["byte_model_peak_bytes"] = max(resident_after_evictions(trace, chosen), default=0)
+        attach_prediction(trace, schedule)
         return schedule

@@ -1,0 +1,161 @@
+"""Replay a schedule on the trace's timeline: the yardstick for planners.
+
+Timing model (three lanes):
+- Compute runs the ops in order. Op ``i`` starts when op ``i-1`` has finished, every
+  storage it accesses has arrived (its in-flight H2D, if any, is done) and every storage
+  it WRITES has left (its in-flight D2H, if any, is done). The difference between that
+  start and the end of op ``i-1`` is exposed wait.
+- Actions are issued when compute reaches them: a ``pre`` action at the end of op
+  ``i-1``, a ``post`` action at the end of op ``i``.
+- One D2H lane and one H2D lane each run their copies one at a time in issue order; a
+  copy of ``size`` bytes takes ``size / (GB/s * 1e9)`` seconds at the trace's bandwidth
+  (a bandwidth of 0, i.e. not measured, counts as infinitely fast). A D2H waits for an
+  in-flight H2D of the same storage, an H2D for an in-flight D2H of it.
+
+Memory model (activation bytes on the device while op ``k`` runs):
+- a storage counts from its first access (which allocates it), or from the op its
+  COPY_H2D is issued before (in-flight copies count against the device from issue);
+- a RELEASE_DEVICE stops the count after the op it follows, except that memory being
+  copied out stays counted until its D2H completes: through every op that starts
+  before that.
+
+``simulate`` assumes ``verify`` passed. Cost: linear in ops, accesses and actions,
+plus a binary search per release.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass, field
+
+from hyperpar.offload.ir import AccessKind, ActivationTrace, ResidencySchedule
+from hyperpar.offload.ir import ResidencyActionType as Act
+
+# (start_ms, end_ms, storage id) of one copy on a transfer lane.
+LaneSpan = tuple[float, float, int]
+
+
+@dataclass
+class SimResult:
+    predicted_step_ms: float
+    compute_ms: float  # sum of op durations: the step without offload
+    exposed_wait_ms: float
+    resident_bytes: list[int]
+    peak_resident_bytes: int
+    peak_op: int | None
+    op_start_ms: list[float] = field(repr=False, default_factory=list)
+    op_end_ms: list[float] = field(repr=False, default_factory=list)
+    op_wait_ms: list[float] = field(repr=False, default_factory=list)
+    d2h_lane: list[LaneSpan] = field(repr=False, default_factory=list)
+    h2d_lane: list[LaneSpan] = field(repr=False, default_factory=list)
+    bytes_d2h: int = 0
+    bytes_h2d: int = 0
+
+    @property
+    def overhead(self) -> float:
+        """Predicted step time over the step without offload, minus one."""
+        return self.predicted_step_ms / self.compute_ms - 1.0 if self.compute_ms > 0 else 0.0
+
+
+def ms_per_byte(gbps: float) -> float:
+    return 0.0 if gbps <= 0 else 1.0 / (gbps * 1e6)
+
+
+def simulate(trace: ActivationTrace, schedule: ResidencySchedule) -> SimResult:
+    n = trace.num_ops
+    if schedule.num_ops != n:
+        raise ValueError(f"schedule has {schedule.num_ops} ops but the trace has {n}")
+    sizes = trace.storage_sizes
+    d2h_cost, h2d_cost = ms_per_byte(trace.d2h_bandwidth_gbps), ms_per_byte(trace.h2d_bandwidth_gbps)
+    arrive: dict[int, float] = {}  # sid -> end of its latest H2D
+    left: dict[int, float] = {}  # sid -> end of its latest D2H
+    open_from: dict[int, int] = {}  # sid -> first op its current device allocation counts at
+    seen: set[int] = set()
+    # (first op, last op before any D2H extension, D2H end, size)
+    spans: list[tuple[int, int, float, int]] = []
+    d2h_lane: list[LaneSpan] = []
+    h2d_lane: list[LaneSpan] = []
+    d2h_free = h2d_free = 0.0
+    bytes_d2h = bytes_h2d = 0
+    starts: list[float] = [0.0] * n
+    ends: list[float] = [0.0] * n
+    waits: list[float] = [0.0] * n
+    clock = 0.0
+    pre, post = schedule.pre, schedule.post
+
+    def run(actions: list, now: float, counts_from: int) -> None:
+        nonlocal d2h_free, h2d_free, bytes_d2h, bytes_h2d
+        for action in actions:
+            kind, sid = action.kind, action.storage_id
+            size = sizes.get(sid, 0)
+            if kind is Act.COPY_D2H:
+                begin = max(now, d2h_free, arrive.get(sid, 0.0))
+                d2h_free = begin + size * d2h_cost
+                left[sid] = d2h_free
+                d2h_lane.append((begin, d2h_free, sid))
+                bytes_d2h += size
+            elif kind is Act.COPY_H2D:
+                begin = max(now, h2d_free, left.get(sid, 0.0))
+                h2d_free = begin + size * h2d_cost
+                arrive[sid] = h2d_free
+                h2d_lane.append((begin, h2d_free, sid))
+                bytes_h2d += size
+                open_from[sid] = counts_from
+            elif kind is Act.RELEASE_DEVICE:
+                first = open_from.pop(sid, None)
+                if first is not None:
+                    spans.append((first, counts_from - 1, left.get(sid, 0.0), size))
+
+    for i in range(n):
+        if pre[i]:
+            run(pre[i], clock, i)
+        start = clock
+        for acc in trace.ops[i].accesses:
+            sid = acc.storage_id
+            if sid not in seen:
+                seen.add(sid)
+                open_from[sid] = i
+            t = arrive.get(sid, 0.0)
+            if t > start:
+                start = t
+            if acc.kind is AccessKind.WRITE:
+                t = left.get(sid, 0.0)
+                if t > start:
+                    start = t
+        waits[i] = start - clock
+        starts[i] = start
+        clock = start + trace.ops[i].duration_ms
+        ends[i] = clock
+        if post[i]:
+            run(post[i], clock, i + 1)
+
+    delta = [0] * (n + 1)
+    for first, last, d2h_end, size in spans:
+        if d2h_end > 0.0:
+            last = max(last, bisect_left(starts, d2h_end) - 1)
+        if last >= first:
+            delta[first] += size
+            delta[min(last, n - 1) + 1] -= size
+    for sid, first in open_from.items():
+        delta[first] += sizes.get(sid, 0)
+    resident, running = [], 0
+    for i in range(n):
+        running += delta[i]
+        resident.append(running)
+    peak = max(resident, default=0)
+    step = max(clock, d2h_free, h2d_free)
+    return SimResult(
+        predicted_step_ms=step,
+        compute_ms=trace.total_duration_ms(),
+        exposed_wait_ms=sum(waits),
+        resident_bytes=resident,
+        peak_resident_bytes=peak,
+        peak_op=resident.index(peak) if resident else None,
+        op_start_ms=starts,
+        op_end_ms=ends,
+        op_wait_ms=waits,
+        d2h_lane=d2h_lane,
+        h2d_lane=h2d_lane,
+        bytes_d2h=bytes_d2h,
+        bytes_h2d=bytes_h2d,
+    )
