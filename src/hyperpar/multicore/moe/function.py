@@ -1,0 +1,187 @@
+"""Forward and backward of the routed experts as one ``autograd.Function``.
+
+Dispatch, expert compute and combine run per chunk of tokens with asynchronous
+all-to-alls, so while one chunk's rows are on the wire another chunk is computed;
+backward walks the same route in reverse. Everything saved for backward is an owned
+tensor, never a workspace view, so a shared workspace can serve the next layer
+before this layer's backward runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .grouped_gemm import grouped_mm, grouped_weight_grad
+from .routing import ChunkRoute, RoutePlan
+from .swiglu import swiglu, swiglu_backward
+from .workspace import MoeWorkspace
+
+
+@dataclass(frozen=True)
+class ExpertMath:
+    swiglu_limit: float | None
+    ep_size: int
+    group: dist.ProcessGroup | None
+
+
+def _exchange(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+              math: ExpertMath) -> Any:
+    return dist.all_to_all_single(out, inp, out_splits, in_splits, group=math.group, async_op=True)
+
+
+def _experts_forward(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, route: ChunkRoute,
+                     math: ExpertMath) -> tuple[torch.Tensor, torch.Tensor]:
+    pre = grouped_mm(rows, gate_up, route.expert_counts, route.expert_offsets)
+    act = swiglu(pre, math.swiglu_limit)
+    return pre, grouped_mm(act, down, route.expert_counts, route.expert_offsets)
+
+
+def _experts_backward(rows: torch.Tensor, pre: torch.Tensor, grad: torch.Tensor, gate_up: torch.Tensor,
+                      down: torch.Tensor, route: ChunkRoute, math: ExpertMath, want_weights: bool,
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    counts, offsets = route.expert_counts, route.expert_offsets
+    act_grad = grouped_mm(grad, down.transpose(1, 2), counts, offsets)
+    down_grad = None
+    if want_weights:
+        down_grad = grouped_weight_grad(swiglu(pre, math.swiglu_limit), grad, counts, offsets)
+    pre_grad = swiglu_backward(pre, act_grad, math.swiglu_limit)
+    gate_up_grad = grouped_weight_grad(rows, pre_grad, counts, offsets) if want_weights else None
+    rows_grad = grouped_mm(pre_grad, gate_up.transpose(1, 2), counts, offsets)
+    return rows_grad, gate_up_grad, down_grad
+
+
+def _accumulate(total: torch.Tensor | None, part: torch.Tensor | None) -> torch.Tensor | None:
+    if part is None:
+        return total
+    return part if total is None else total.add_(part)
+
+
+def route_rows(
+    source: torch.Tensor, source_is_tokens: bool, plan: RoutePlan, workspace: MoeWorkspace,
+    math: ExpertMath, compute: Any,
+) -> torch.Tensor:
+    """Send rows of ``source`` to their experts, run ``compute(chunk_index, route,
+    expert_major_rows) -> expert_major_result`` there, and bring the results back
+    un-permuted: returns a new [T*K, H] tensor in (token, k) order. ``source`` holds one
+    row per token ([T, H]) or one per (token, k) pair ([T*K, H])."""
+    total_rows = plan.num_tokens * plan.top_k
+    hidden = source.shape[1]
+    result = source.new_empty(total_rows, hidden)
+
+    def pick(route: ChunkRoute) -> torch.Tensor:
+        return route.source_token if source_is_tokens else route.order
+
+    if math.ep_size == 1:
+        for c, route in enumerate(plan.chunks):
+            out = compute(c, route, source.index_select(0, pick(route)))
+            result.index_copy_(0, route.order, out)
+        return result
+
+    send_all = workspace.buffer("send", total_rows, hidden)
+    recv_all = workspace.buffer("recv", plan.recv_rows, hidden)
+    ret_all = workspace.buffer("ret", plan.recv_rows, hidden)
+    back_all = workspace.buffer("back", total_rows, hidden)
+
+    def views(route: ChunkRoute) -> tuple[torch.Tensor, ...]:
+        s = slice(route.send_begin, route.send_begin + route.send_rows)
+        r = slice(route.recv_begin, route.recv_begin + route.recv_rows)
+        return send_all[s], recv_all[r], ret_all[r], back_all[s]
+
+    dispatches = []
+    for route in plan.chunks:
+        send, recv, _, _ = views(route)
+        torch.index_select(source, 0, pick(route), out=send)
+        dispatches.append(_exchange(recv, send, route.recv_splits, route.send_splits, math))
+    combines = []
+    for c, (route, work) in enumerate(zip(plan.chunks, dispatches, strict=True)):
+        _, recv, ret, back = views(route)
+        work.wait()
+        assert route.recv_to_expert is not None
+        out = compute(c, route, recv.index_select(0, route.recv_to_expert))
+        ret.index_copy_(0, route.recv_to_expert, out)
+        combines.append(_exchange(back, ret, route.send_splits, route.recv_splits, math))
+    for route, work in zip(plan.chunks, combines, strict=True):
+        work.wait()
+        result.index_copy_(0, route.order, views(route)[3])
+    return result
+
+
+class MoeExpertsFunction(torch.autograd.Function):
+    """(hidden [T, H], topk_weights [T, K], gate_up [E_l, H, 2I], down [E_l, I, H]) -> [T, H]."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, hidden: torch.Tensor, topk_weights: torch.Tensor, gate_up: torch.Tensor,
+        down: torch.Tensor, plan: RoutePlan, workspace: MoeWorkspace, math: ExpertMath,
+    ) -> torch.Tensor:
+        tokens, top_k = plan.num_tokens, plan.top_k
+        saved_rows: list[torch.Tensor] = []
+        saved_pre: list[torch.Tensor] = []
+
+        def compute(c: int, route: ChunkRoute, rows: torch.Tensor) -> torch.Tensor:
+            pre, out = _experts_forward(rows, gate_up, down, route, math)
+            saved_rows.append(rows)
+            saved_pre.append(pre)
+            return out
+
+        with workspace.lease("forward"):
+            expert_out = route_rows(hidden, True, plan, workspace, math, compute)
+        hidden_size = hidden.shape[1]
+        per_token = expert_out.view(tokens, top_k, hidden_size)
+        weights = topk_weights.to(expert_out.dtype).view(tokens, 1, top_k)
+        output = torch.bmm(weights, per_token).view(tokens, hidden_size)
+        if any(ctx.needs_input_grad[:4]):
+            ctx.save_for_backward(topk_weights, gate_up, down, expert_out)
+            ctx.saved_rows = saved_rows
+            ctx.saved_pre = saved_pre
+            ctx.plan = plan
+            ctx.workspace = workspace
+            ctx.math = math
+            ctx.pending = workspace.pending_backward()
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        topk_weights, gate_up, down, expert_out = ctx.saved_tensors
+        plan: RoutePlan = ctx.plan
+        math: ExpertMath = ctx.math
+        workspace: MoeWorkspace = ctx.workspace
+        tokens, top_k = plan.num_tokens, plan.top_k
+        hidden_size = expert_out.shape[1]
+        grad = grad_output.to(expert_out.dtype).contiguous()
+        need_hidden, need_weights, need_gate_up, need_down = ctx.needs_input_grad[:4]
+        want_expert_weights = need_gate_up or need_down
+
+        weights_grad = None
+        if need_weights:
+            weights_grad = torch.bmm(expert_out.view(tokens, top_k, hidden_size),
+                                     grad.view(tokens, hidden_size, 1)).view(tokens, top_k)
+            weights_grad = weights_grad.to(topk_weights.dtype)
+
+        hidden_grad = gate_up_grad = down_grad = None
+        if need_hidden or want_expert_weights:
+            rows_grad = (topk_weights.to(grad.dtype).view(tokens, top_k, 1)
+                         * grad.view(tokens, 1, hidden_size)).view(tokens * top_k, hidden_size)
+            weight_grads: list[torch.Tensor | None] = [None, None]
+
+            def compute(c: int, route: ChunkRoute, rows: torch.Tensor) -> torch.Tensor:
+                out, gu, dn = _experts_backward(ctx.saved_rows[c], ctx.saved_pre[c], rows, gate_up, down,
+                                                route, math, want_expert_weights)
+                weight_grads[0] = _accumulate(weight_grads[0], gu)
+                weight_grads[1] = _accumulate(weight_grads[1], dn)
+                return out
+
+            with workspace.lease("backward"):
+                back = route_rows(rows_grad, False, plan, workspace, math, compute)
+            if need_hidden:
+                hidden_grad = back.view(tokens, top_k, hidden_size).sum(1)
+            gate_up_grad, down_grad = weight_grads
+            if want_expert_weights and gate_up_grad is None:  # no chunk at all
+                gate_up_grad, down_grad = torch.zeros_like(gate_up), torch.zeros_like(down)
+        ctx.pending.release()
+        return (hidden_grad, weights_grad, gate_up_grad if need_gate_up else None,
+                down_grad if need_down else None, None, None, None)

@@ -1,0 +1,195 @@
+"""``MoeExperts``: the routed experts of an MoE layer, expert-parallel over an EP group."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hyperpar.multicore.collective import exchange, group_ranks, is_distributed
+from hyperpar.multicore.module import MulticoreModule
+
+from .config import DEFAULT_OVERLAP_CHUNKS, MoeExpertsConfig
+from .function import ExpertMath, MoeExpertsFunction
+from .routing import RoutingSetup, build_route_plan
+from .workspace import MoeWorkspace, WorkspaceSpec
+
+log = logging.getLogger(__name__)
+
+
+def _resolve_group(ep_size: int, ep_group: Any) -> tuple[Any, int]:
+    """The EP process group (None: no communication) and this rank's position in it."""
+    if ep_size == 1:
+        if ep_group is not None and is_distributed() and dist.get_world_size(ep_group) != 1:
+            raise ValueError(f"ep_size=1 but ep_group has {dist.get_world_size(ep_group)} ranks")
+        return None, 0
+    if not is_distributed():
+        raise ValueError(f"ep_size={ep_size} needs torch.distributed to be initialised "
+                         "(or use ep_size=1)")
+    group = dist.group.WORLD if ep_group is None else ep_group
+    size = dist.get_world_size(group)
+    if size != ep_size:
+        raise ValueError(f"ep_size={ep_size} but the EP group "
+                         f"({'the default group' if ep_group is None else 'ep_group'}) has {size} ranks")
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("this rank is not a member of ep_group")
+    return group, rank
+
+
+class MoeExperts(MulticoreModule):
+    """Routed SwiGLU experts; this rank holds experts ``[ep_rank * E_local, (ep_rank + 1) * E_local)``.
+
+    ``forward(hidden_states [..., H], topk_ids [T, K], topk_weights [T, K])`` returns
+    ``[..., H]`` with ``T`` = tokens in ``hidden_states`` (at most ``local_num_tokens``).
+    Every rank of the EP group must call it the same number of times, in the same order.
+    """
+
+    def __init__(
+        self, *, local_num_tokens: int, hidden_size: int, intermediate_size: int, num_experts: int,
+        top_k: int, expert_capacity_factor: float | None = None, swiglu_limit: float | None = None,
+        ep_size: int = 1, ep_group: Any = None, create_parameters: bool = True,
+        overlap_chunks: int = DEFAULT_OVERLAP_CHUNKS,
+    ) -> None:
+        config = MoeExpertsConfig(
+            local_num_tokens=local_num_tokens, hidden_size=hidden_size,
+            intermediate_size=intermediate_size, num_experts=num_experts, top_k=top_k,
+            expert_capacity_factor=expert_capacity_factor, swiglu_limit=swiglu_limit, ep_size=ep_size,
+            create_parameters=create_parameters, overlap_chunks=overlap_chunks)
+        group, ep_rank = _resolve_group(ep_size, ep_group)
+        ranks = tuple(group_ranks(group)) if group is not None else (-1,)
+        super().__init__(
+            resource_specification=WorkspaceSpec(hidden_size=hidden_size, send_rows=config.send_rows,
+                                                 capacity_rows=config.capacity_rows, ep_size=ep_size),
+            resource_compatibility_key=("MoeExperts", ep_size, ranks),
+            resource_scope_key=ranks)
+        self.config = config
+        self.ep_group = group
+        self.ep_rank = ep_rank
+        self._routing = RoutingSetup(
+            num_experts=num_experts, top_k=top_k, max_tokens=local_num_tokens, ep_size=ep_size,
+            ep_rank=ep_rank, group=group, chunks=overlap_chunks, capacity_rows=config.capacity_rows,
+            capacity_description=config.capacity_description())
+        self._math = ExpertMath(swiglu_limit=config.swiglu_limit, ep_size=ep_size, group=group)
+        self._config_agreed = ep_size == 1
+        if create_parameters:
+            local = config.local_experts
+            self.gate_up_weight = torch.nn.Parameter(torch.empty(local, hidden_size, 2 * intermediate_size))
+            self.down_weight = torch.nn.Parameter(torch.empty(local, intermediate_size, hidden_size))
+            self.reset_parameters()
+        else:
+            self.register_parameter("gate_up_weight", None)
+            self.register_parameter("down_weight", None)
+
+    # ----- parameters -----------------------------------------------------------------
+    def reset_parameters(self) -> None:
+        """Xavier-uniform per expert matrix."""
+        if self.gate_up_weight is None:
+            return
+        with torch.no_grad():
+            for weight in (*self.gate_up_weight, *self.down_weight):
+                torch.nn.init.xavier_uniform_(weight)
+
+    @property
+    def local_expert_ids(self) -> range:
+        """The global ids of the experts whose weights live on this rank."""
+        local = self.config.local_experts
+        return range(self.ep_rank * local, (self.ep_rank + 1) * local)
+
+    # ----- lifecycle hooks ---------------------------------------------------------------
+    def _create_execution_resources(self, tensor: torch.Tensor, *, shared: bool,
+                                    active_specifications: Sequence[Any]) -> MoeWorkspace:
+        spec = WorkspaceSpec.covering(active_specifications or (self.resource_specification,))
+        workspace = MoeWorkspace(spec, tensor.device, tensor.dtype)
+        log.debug("MoeExperts workspace: %d bytes on %s %s (shared=%s)", workspace.nbytes,
+                  tensor.device, tensor.dtype, shared)
+        return workspace
+
+    def _resource_signature(self, tensor: torch.Tensor) -> Any:
+        return (*self.config.signature(), tensor.device.type, str(tensor.dtype))
+
+    def _root_group(self) -> Any:
+        return self.ep_group if self.ep_group is not None else super()._root_group()
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Bytes of the (possibly shared) workspace; 0 before the first call."""
+        group = self._resource_group
+        resources = None if group is None else group.resources
+        return resources.nbytes if isinstance(resources, MoeWorkspace) else 0
+
+    # ----- forward ----------------------------------------------------------------------
+    def _agree_on_config(self) -> None:
+        """Once per module: a differently configured rank would otherwise hang a later collective."""
+        mine = self.config.signature()
+        everyone = exchange(mine, self.ep_group)
+        if any(other != mine for other in everyone):
+            lines = "; ".join(f"EP rank {r}: {sig}" for r, sig in enumerate(everyone))
+            raise ValueError(f"MoeExperts configuration differs across EP ranks: {lines}")
+        self._config_agreed = True
+
+    def _weights(self, expert_weights: Any, hidden: torch.Tensor,
+                 problems: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.config
+        local = cfg.local_experts
+        if cfg.create_parameters:
+            if expert_weights is not None:
+                raise ValueError("expert_weights must be None when create_parameters=True "
+                                 "(the module owns gate_up_weight and down_weight)")
+            gate_up, down = self.gate_up_weight, self.down_weight
+        else:
+            if (not isinstance(expert_weights, (tuple, list)) or len(expert_weights) != 2
+                    or not all(isinstance(w, torch.Tensor) for w in expert_weights)):
+                raise TypeError("create_parameters=False needs expert_weights=(gate_up_weight, down_weight), "
+                                f"got {type(expert_weights).__name__}")
+            gate_up, down = expert_weights
+        want = {"gate_up_weight": (gate_up, (local, cfg.hidden_size, 2 * cfg.intermediate_size)),
+                "down_weight": (down, (local, cfg.intermediate_size, cfg.hidden_size))}
+        for name, (weight, shape) in want.items():
+            if tuple(weight.shape) != shape:
+                problems.append(f"{name} must have shape {list(shape)}, got {list(weight.shape)}")
+            if weight.dtype != hidden.dtype or weight.device != hidden.device:
+                problems.append(f"{name} is {weight.dtype} on {weight.device} but hidden_states is "
+                                f"{hidden.dtype} on {hidden.device}")
+        return gate_up, down
+
+    def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
+                tokens_per_expert: torch.Tensor | None = None,
+                expert_weights: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        workspace: MoeWorkspace = self._get_execution_resources(hidden_states)
+        if not self._config_agreed:
+            self._agree_on_config()
+        cfg = self.config
+        problems: list[str] = []
+        gate_up, down = self._weights(expert_weights, hidden_states, problems)
+        if hidden_states.dim() == 0 or hidden_states.shape[-1] != cfg.hidden_size:
+            problems.append(f"hidden_states must end in hidden_size={cfg.hidden_size}, "
+                            f"got shape {list(hidden_states.shape)}")
+            num_tokens = 0
+        else:
+            num_tokens = hidden_states.numel() // cfg.hidden_size
+        if not isinstance(topk_ids, torch.Tensor):
+            problems.append(f"topk_ids must be a tensor, got {type(topk_ids).__name__}")
+            topk_ids = torch.zeros(num_tokens, cfg.top_k, dtype=torch.int64, device=hidden_states.device)
+        if not isinstance(topk_weights, torch.Tensor) or not topk_weights.is_floating_point():
+            problems.append(f"topk_weights must be a floating-point tensor, got {topk_weights!r:.80}")
+        elif tuple(topk_weights.shape) != (num_tokens, cfg.top_k):
+            problems.append(f"topk_weights must have shape [{num_tokens}, {cfg.top_k}], "
+                            f"got {list(topk_weights.shape)}")
+        if tokens_per_expert is not None and not isinstance(tokens_per_expert, torch.Tensor):
+            problems.append("tokens_per_expert must be None or a tensor, "
+                            f"got {type(tokens_per_expert).__name__}")
+            tokens_per_expert = None
+        plan = build_route_plan(self._routing, topk_ids, num_tokens, tokens_per_expert, problems)
+        flat = hidden_states.reshape(num_tokens, cfg.hidden_size)
+        out = MoeExpertsFunction.apply(flat, topk_weights, gate_up, down, plan, workspace, self._math)
+        return out.view(hidden_states.shape)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (f"hidden_size={c.hidden_size}, intermediate_size={c.intermediate_size}, "
+                f"num_experts={c.num_experts}, top_k={c.top_k}, ep_size={c.ep_size}, "
+                f"local_experts={list(self.local_expert_ids)}, overlap_chunks={c.overlap_chunks}")

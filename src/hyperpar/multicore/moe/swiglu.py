@@ -1,0 +1,43 @@
+"""SwiGLU on the ``[gate | up]`` rows of the up-projection, with its hand-written backward.
+
+Backward recomputes the activation from the saved pre-activation instead of saving
+both, which halves what the layer keeps for backward at the cost of one cheap pass.
+The clamp masks follow ``torch.clamp``'s gradient convention (bounds included) so the
+result matches autograd on the same formula.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _limited(pre: torch.Tensor, limit: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    inter = pre.shape[1] // 2
+    gate, up = pre[:, :inter], pre[:, inter:]
+    if limit is not None:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(-limit, limit)
+    return gate, up
+
+
+def swiglu(pre: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """``silu(g) * u`` for ``pre = [g | u]`` ([R, 2I] -> [R, I]); with ``limit``: g <= L, |u| <= L."""
+    gate, up = _limited(pre, limit)
+    return F.silu(gate) * up
+
+
+def swiglu_backward(pre: torch.Tensor, grad: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """Gradient w.r.t. ``pre`` ([R, 2I]) given the gradient of the activation ([R, I])."""
+    inter = pre.shape[1] // 2
+    gate, up = _limited(pre, limit)
+    out = torch.empty_like(pre)
+    grad_gate = out[:, :inter]
+    grad_up = out[:, inter:]
+    torch.ops.aten.silu_backward(grad * up, gate, grad_input=grad_gate)
+    torch.mul(grad, F.silu(gate), out=grad_up)
+    if limit is not None:
+        raw_gate, raw_up = pre[:, :inter], pre[:, inter:]
+        grad_gate.masked_fill_(raw_gate > limit, 0)
+        grad_up.masked_fill_((raw_up < -limit) | (raw_up > limit), 0)
+    return out
