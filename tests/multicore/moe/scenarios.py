@@ -1,0 +1,93 @@
+"""Routing scenarios and the rank body that checks MoeExperts against the dense reference."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hyperpar.multicore.moe import MoeExperts, dense_moe_reference
+
+HIDDEN, INTER, EXPERTS, TOP_K = 16, 8, 8, 2
+MAX_TOKENS = 16
+
+
+def routing(scenario: str, tokens: int, rank: int, world: int, gen: torch.Generator) -> torch.Tensor:
+    """topk_ids [tokens, TOP_K] with distinct experts per token."""
+    local = EXPERTS // world
+    if scenario == "uniform":
+        pool = list(range(EXPERTS))
+    elif scenario == "skewed":  # nearly everything to experts 0 and 1 (rank 0), a few to expert 5
+        ids = torch.tensor([[0, 1]] * tokens)
+        ids[::4, 1] = 5
+        return ids
+    elif scenario == "empty_experts":  # odd experts get no tokens anywhere
+        pool = list(range(0, EXPERTS, 2))
+    elif scenario == "single_destination":  # every row of every rank goes to the last rank
+        pool = list(range(EXPERTS - local, EXPERTS))
+    else:
+        raise ValueError(scenario)
+    choice = torch.stack([torch.randperm(len(pool), generator=gen)[:TOP_K] for _ in range(tokens)])
+    return torch.tensor(pool)[choice]
+
+
+def full_weights(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1234)
+    gate_up = torch.randn(EXPERTS, HIDDEN, 2 * INTER, generator=gen, dtype=dtype) * 0.3
+    down = torch.randn(EXPERTS, INTER, HIDDEN, generator=gen, dtype=dtype) * 0.3
+    return gate_up, down
+
+
+def compare_with_reference(rank: int, world: int, cases: list[tuple[Any, ...]]) -> dict[str, Any]:
+    """Per case (scenario, overlap_chunks, swiglu_limit[, dtype]): the largest difference of
+    output and every gradient, and whether experts without tokens got exact zero weight grads."""
+    distributed = world > 1
+    report: dict[str, Any] = {}
+    for scenario, chunks, limit, *rest in cases:
+        dtype = rest[0] if rest else torch.float64
+        gate_up_full, down_full = full_weights(dtype)
+        gen = torch.Generator().manual_seed(100 + rank)
+        tokens = 5 + 3 * rank  # uneven token counts across ranks
+        x = torch.randn(tokens, HIDDEN, generator=gen, dtype=dtype)
+        ids = routing(scenario, tokens, rank, world, gen)
+        w = torch.rand(tokens, TOP_K, generator=gen, dtype=dtype)
+        grad_out = torch.randn(tokens, HIDDEN, generator=gen, dtype=dtype)
+
+        layer = MoeExperts(local_num_tokens=MAX_TOKENS, hidden_size=HIDDEN, intermediate_size=INTER,
+                           num_experts=EXPERTS, top_k=TOP_K, ep_size=world, overlap_chunks=chunks,
+                           swiglu_limit=limit).to(dtype)
+        mine = layer.local_expert_ids
+        with torch.no_grad():
+            layer.gate_up_weight.copy_(gate_up_full[mine.start:mine.stop])
+            layer.down_weight.copy_(down_full[mine.start:mine.stop])
+        x1, w1 = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = layer(x1, ids, w1, tokens_per_expert=torch.bincount(ids.flatten(), minlength=EXPERTS))
+        out.backward(grad_out)
+
+        x2, w2 = x.clone().requires_grad_(), w.clone().requires_grad_()
+        gu2, dn2 = gate_up_full.clone().requires_grad_(), down_full.clone().requires_grad_()
+        ref = dense_moe_reference(x2, ids, w2, gu2, dn2, limit)
+        ref.backward(grad_out)
+        out, ref = out.detach(), ref.detach()
+        gu_grad, dn_grad = gu2.grad, dn2.grad
+        used = torch.bincount(ids.flatten(), minlength=EXPERTS)
+        if distributed:
+            dist.all_reduce(gu_grad)
+            dist.all_reduce(dn_grad)
+            dist.all_reduce(used)
+        unused_local = [e - mine.start for e in mine if int(used[e]) == 0]
+        report[f"{scenario}/chunks={chunks}/limit={limit}/{dtype}"] = {
+            "dtype": str(dtype),
+            "output": float((out - ref).abs().max()),
+            "hidden_grad": float((x1.grad - x2.grad).abs().max()),
+            "weights_grad": float((w1.grad - w2.grad).abs().max()),
+            "gate_up_grad": float((layer.gate_up_weight.grad - gu_grad[mine.start:mine.stop]).abs().max()),
+            "down_grad": float((layer.down_weight.grad - dn_grad[mine.start:mine.stop]).abs().max()),
+            "unused_experts": unused_local,
+            "unused_exact_zero": all(
+                bool((layer.gate_up_weight.grad[e] == 0).all() and (layer.down_weight.grad[e] == 0).all())
+                for e in unused_local),
+        }
+        layer.close()
+    return report
