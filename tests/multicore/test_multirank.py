@@ -1,0 +1,183 @@
+"""The lifecycle on 1, 2 and 3 real gloo ranks: every rank must agree, and none may hang."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hyperpar.multicore import CollectiveError
+from tests.multicore.fakes import FakeModule
+from tests.rank_harness import run_ranks
+
+TIMEOUT = 60.0
+
+
+def _lifecycle_body(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    last = world - 1
+    x = torch.ones(2)
+    # the same binding order on every rank works; a shared group binds once
+    a, b = FakeModule(4), FakeModule(8)
+    FakeModule.share_execution_resources([a, b])
+    a(x)
+    b(x)
+    c = FakeModule(2)
+    c(x)
+    out["ids"] = (a.binding_id, b.binding_id, c.binding_id)
+    out["shared_specs"] = a.create_calls[0]["specs"]
+    shared_res = a.created[0]
+    # a module collected without close() leaves an orphan; the next compatible binding reuses it
+    orphan_res = c.created[0]
+    del c
+    gc.collect()
+    d = FakeModule(2)
+    d(x)
+    out["reused"] = d._resource_group.resources is orphan_res and not d.create_calls
+    out["reused_id"] = d.binding_id
+    # ... and an incompatible binding closes it
+    del d
+    gc.collect()
+    e = FakeModule(32)
+    e(x.double())
+    out["orphan_closed"] = (orphan_res.close_calls, orphan_res.closed)
+    # a close that fails on one rank raises on all, keeps ownership, and succeeds on retry
+    f = FakeModule(7, close_failures=1 if rank == last else 0)
+    f(x)
+    try:
+        f.close()
+        out["close_error"] = None
+    except CollectiveError as exc:
+        out["close_error"] = str(exc)
+    out["closing_after_failure"] = f._resource_group.closing and not f.execution_resources_closed
+    f.close()
+    out["retry_closed"] = (f.created[0].closed, f.execution_resources_closed, f.created[0].close_calls)
+    # a shared member collected on rank 0 only (garbage-collection skew): close() must not hang
+    g1, g2 = FakeModule(3), FakeModule(3)
+    FakeModule.share_execution_resources([g1, g2])
+    g1(x)
+    skew_res = g1.created[0]
+    keep = [g2] if rank != 0 else []
+    del g2
+    gc.collect()
+    g1.close()
+    out["skew_open_after_close"] = not skew_res.closed
+    keep.clear()
+    gc.collect()
+    # destroy_process_group(subgroup) closes only the groups that depend on that subgroup
+    sub = dist.new_group(list(range(world)))
+    h = FakeModule(9, root=sub)
+    h(x)
+    sub_res, e_res = h.created[0], e.created[0]
+    dist.destroy_process_group(sub)
+    out["sub_closed"] = sub_res.closed and h.execution_resources_closed
+    out["world_open_after_sub"] = not e_res.closed and not shared_res.closed
+    # destroy_process_group() without close() runs the cleanup for everything left
+    dist.destroy_process_group()
+    out["world_closed"] = (e_res.closed, shared_res.closed, skew_res.closed, a.execution_resources_closed)
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_lifecycle_on_real_ranks(world: int) -> None:
+    results = run_ranks(_lifecycle_body, world, timeout=TIMEOUT)
+    last = world - 1
+    for out in results.values():
+        assert out["ids"] == (1, 1, 2)
+        assert out["shared_specs"] == (4, 8)
+        assert out["reused"] and out["reused_id"] == 3
+        assert out["orphan_closed"] == (1, True)
+        assert out["close_error"] is not None
+        assert f"close binding id 5' failed on 1 rank(s): rank {last}: OSError: fake close failure" \
+            in out["close_error"]
+        assert out["closing_after_failure"]
+        assert out["retry_closed"] == (True, True, 2)  # close() is called again on every rank
+        assert out["skew_open_after_close"] == (world > 1)
+        assert out["sub_closed"] and out["world_open_after_sub"]
+        assert out["world_closed"] == (True, True, True, True)
+    assert len({out["close_error"] for out in results.values()}) == 1  # the same error everywhere
+
+
+def _catch(fn: Callable[[], Any]) -> tuple[str, bool, str]:
+    try:
+        fn()
+    except Exception as exc:
+        return (type(exc).__name__, isinstance(exc, TypeError), str(exc))
+    return ("no error", False, "")
+
+
+def _disagreement_body(rank: int, world: int) -> dict[str, Any]:
+    last = world - 1
+    x = torch.ones(1)
+    out: dict[str, Any] = {}
+    odd = FakeModule(5 if rank == last else 4)
+    out["spec"] = _catch(lambda: odd(x))
+    p, q = FakeModule(10), FakeModule(20)
+    first = q if rank == last else p
+    out["order"] = _catch(lambda: first(x))
+    p(x)
+    q(x)
+    closer = q if rank == last else p
+    out["close_order"] = _catch(closer.close)
+    out["still_open"] = not p.execution_resources_closed and not q.execution_resources_closed
+    p.close()
+    q.close()
+    untyped = FakeModule(1)
+    out["type"] = _catch(lambda: untyped([1.0] if rank == last else x))
+    closed = FakeModule(1)
+    if rank == last:
+        closed.close()
+    out["closed"] = _catch(lambda: closed(x))
+    failing = FakeModule(11, create_error=MemoryError("no room") if rank == last else None)
+    out["create"] = _catch(lambda: failing(x))
+    out["peers_freed"] = all(r.closed for r in failing.created) and failing.binding_id is None
+    busy = FakeModule(12)
+    busy(x)
+    busy.created[0].busy = rank == last
+    out["busy"] = _catch(busy.close)
+    busy.created[0].busy = False
+    busy.close()
+    out["busy_closed_on_retry"] = busy.created[0].closed
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_disagreements_raise_the_same_error_on_every_rank(world: int) -> None:
+    results = run_ranks(_disagreement_body, world, timeout=TIMEOUT)
+    last = world - 1
+    for key in ("spec", "order", "close_order", "type", "closed", "create", "busy"):
+        assert len({out[key] for out in results.values()}) == 1, (key, results)
+    out = results[0]
+    assert out["spec"][2].startswith("stage 'bind': binding order or specifications differ across ranks: "
+                                     "requested signature: rank 0 has")
+    assert f"rank {last} has \"('tests.multicore.fakes.FakeModule', False, ('5', 'cpu', 'torch.float32'))" \
+        in out["spec"][2]
+    assert "binding order or specifications differ" in out["order"][2] and "'20'" in out["order"][2]
+    assert "close order or groups differ across ranks" in out["close_order"][2]
+    assert f"rank {last} has binding id 2" in out["close_order"][2] and out["still_open"]
+    assert out["type"][1] and f"rank {last}: TypeError: FakeModule: x must be a torch.Tensor, got list" \
+        in out["type"][2]
+    assert f"rank {last}: RuntimeError: FakeModule: execution resources used after close()" \
+        in out["closed"][2]
+    assert f"rank {last}: MemoryError: no room" in out["create"][2]
+    assert all(r["peers_freed"] for r in results.values())
+    assert f"not ready to close on rank {last}" in out["busy"][2] and out["busy_closed_on_retry"]
+
+
+def _uncaught_mismatch_body(rank: int, world: int) -> None:
+    FakeModule(4 + (rank == world - 1))(torch.ones(1))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_uncaught_disagreement_fails_every_rank_and_leaves_no_process(world: int) -> None:
+    errors = run_ranks(_uncaught_mismatch_body, world, timeout=TIMEOUT, expect_failure=True)
+    assert sorted(errors) == list(range(world))
+    for text in errors.values():
+        assert "binding order or specifications differ across ranks" in text
+        assert f"rank {world - 1} has" in text
+    assert multiprocessing.active_children() == []
