@@ -4,16 +4,19 @@ Per storage, in op order: COPY_D2H after the gap's copy op unless the host copy 
 still current (no write since the previous D2H), RELEASE_DEVICE after the gap start,
 COPY_H2D before ``h2d_op`` (the consumer, or earlier for a prefetch); after the last
 access RELEASE_DEVICE (unless retained) and RELEASE_HOST if it was ever copied out.
+Each post list holds D2H copies, then releases, then host releases; each kind by sid.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Sequence
+
+import numpy as np
 
 from hyperpar.offload.ir import ActivationTrace, ResidencyAction, ResidencySchedule
 from hyperpar.offload.ir import ResidencyActionType as Act
-from hyperpar.offload.planning.gaps import Gap, last_accesses
+from hyperpar.offload.planning.arrays import TraceArrays, trace_arrays
+from hyperpar.offload.planning.gaps import Gap
 
 
 def emit_schedule(
@@ -21,33 +24,53 @@ def emit_schedule(
     chosen: Sequence[Gap],
     planner: str,
     h2d_ops: Sequence[int] | None = None,
+    arrays: TraceArrays | None = None,
 ) -> ResidencySchedule:
     """``h2d_ops[k]`` is the op whose pre list issues the H2D of ``chosen[k]`` (default: its end)."""
-    n = trace.num_ops
-    # (op, category, sid, action): sorted so each list has D2H, releases, then host releases.
-    post_items: list[tuple[int, int, int, ResidencyAction]] = []
-    pre_items: list[tuple[int, int, int, ResidencyAction]] = []
-    by_sid: dict[int, list[tuple[Gap, int]]] = defaultdict(list)
-    for k, gap in enumerate(chosen):
-        by_sid[gap.sid].append((gap, gap.end if h2d_ops is None else h2d_ops[k]))
-    for sid, items in by_sid.items():
-        items.sort(key=lambda item: item[0].start)
-        copied_at: int | None = None
-        for gap, h2d_op in items:
-            if copied_at != gap.copy_op:
-                post_items.append((gap.copy_op, 0, sid, ResidencyAction(Act.COPY_D2H, sid)))
-                copied_at = gap.copy_op
-            post_items.append((gap.start, 1, sid, ResidencyAction(Act.RELEASE_DEVICE, sid)))
-            pre_items.append((h2d_op, 0, sid, ResidencyAction(Act.COPY_H2D, sid)))
-    for sid, last in last_accesses(trace).items():
-        if sid not in trace.retained_sids:
-            post_items.append((last, 2, sid, ResidencyAction(Act.RELEASE_DEVICE, sid)))
-        if sid in by_sid:
-            post_items.append((last, 3, sid, ResidencyAction(Act.RELEASE_HOST, sid)))
-    schedule = ResidencySchedule.empty(n, planner=planner)
+    arr = arrays if arrays is not None else trace_arrays(trace)
+    d2h: list[tuple[int, int]] = []
+    frees: list[tuple[int, int]] = []
+    h2d: list[tuple[int, int]] = []
+    order = sorted(range(len(chosen)), key=lambda k: (chosen[k].sid, chosen[k].start))
+    prev_sid, copied_at = None, None
+    for k in order:
+        gap = chosen[k]
+        if gap.sid != prev_sid:
+            prev_sid, copied_at = gap.sid, None
+        if copied_at != gap.copy_op:
+            d2h.append((gap.copy_op, gap.sid))
+            copied_at = gap.copy_op
+        frees.append((gap.start, gap.sid))
+        h2d.append((gap.end if h2d_ops is None else h2d_ops[k], gap.sid))
+    moved = {gap.sid for gap in chosen}
+    last_frees: list[tuple[int, int]] = []
+    host_frees: list[tuple[int, int]] = []
+    retained = trace.retained_sids
+    for sid, last in zip(arr.sids.tolist(), arr.last_op.tolist(), strict=True):
+        if sid not in retained:
+            last_frees.append((last, sid))
+        if sid in moved:
+            host_frees.append((last, sid))
+    schedule = ResidencySchedule.empty(trace.num_ops, planner=planner)
     schedule.budget_bytes = trace.memory_limit_bytes
-    for op, _, _, action in sorted(post_items, key=lambda t: t[:3]):
-        schedule.post[op].append(action)
-    for op, _, _, action in sorted(pre_items, key=lambda t: t[:3]):
-        schedule.pre[op].append(action)
+    post, pre = schedule.post, schedule.pre
+    for items, kind, lists in (
+        (d2h, Act.COPY_D2H, post),
+        (frees, Act.RELEASE_DEVICE, post),
+        (last_frees, Act.RELEASE_DEVICE, post),
+        (host_frees, Act.RELEASE_HOST, post),
+        (h2d, Act.COPY_H2D, pre),
+    ):
+        items.sort()
+        for op, sid in items:
+            lists[op].append(ResidencyAction(kind, sid))
     return schedule
+
+
+def as_gaps(starts: np.ndarray, ends: np.ndarray, copy_ops: np.ndarray, sids: np.ndarray,
+            sizes: np.ndarray) -> list[Gap]:
+    return [
+        Gap(s, a, b, c, z)
+        for s, a, b, c, z in zip(sids.tolist(), starts.tolist(), ends.tolist(), copy_ops.tolist(),
+                                 sizes.tolist(), strict=True)
+    ]

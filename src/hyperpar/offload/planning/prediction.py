@@ -5,13 +5,16 @@ from __future__ import annotations
 import logging
 
 from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
+from hyperpar.offload.planning.arrays import TraceArrays
 from hyperpar.offload.planning.simulate import SimResult, simulate
 
 logger = logging.getLogger(__name__)
 
 
-def attach_prediction(trace: ActivationTrace, schedule: ResidencySchedule) -> SimResult:
-    sim = simulate(trace, schedule)
+def attach_prediction(
+    trace: ActivationTrace, schedule: ResidencySchedule, arrays: TraceArrays | None = None
+) -> SimResult:
+    sim = simulate(trace, schedule, arrays)
     budget = trace.memory_limit_bytes
     schedule.budget_bytes = budget
     schedule.predicted_peak_bytes = sim.peak_resident_bytes

@@ -28,8 +28,12 @@ from __future__ import annotations
 from bisect import bisect_left
 from dataclasses import dataclass, field
 
-from hyperpar.offload.ir import AccessKind, ActivationTrace, ResidencySchedule
+import numpy as np
+
+from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
 from hyperpar.offload.ir import ResidencyActionType as Act
+from hyperpar.offload.planning.arrays import TraceArrays, trace_arrays
+from hyperpar.offload.planning.gc_pause import gc_paused
 
 # (start_ms, end_ms, storage id) of one copy on a transfer lane.
 LaneSpan = tuple[float, float, int]
@@ -61,16 +65,33 @@ def ms_per_byte(gbps: float) -> float:
     return 0.0 if gbps <= 0 else 1.0 / (gbps * 1e6)
 
 
-def simulate(trace: ActivationTrace, schedule: ResidencySchedule) -> SimResult:
+def simulate(
+    trace: ActivationTrace, schedule: ResidencySchedule, arrays: TraceArrays | None = None
+) -> SimResult:
     n = trace.num_ops
     if schedule.num_ops != n:
         raise ValueError(f"schedule has {schedule.num_ops} ops but the trace has {n}")
+    with gc_paused():
+        return _simulate(trace, schedule, arrays if arrays is not None else trace_arrays(trace))
+
+
+def _simulate(trace: ActivationTrace, schedule: ResidencySchedule, arr: TraceArrays) -> SimResult:
+    n = trace.num_ops
     sizes = trace.storage_sizes
     d2h_cost, h2d_cost = ms_per_byte(trace.d2h_bandwidth_gbps), ms_per_byte(trace.h2d_bandwidth_gbps)
     arrive: dict[int, float] = {}  # sid -> end of its latest H2D
     left: dict[int, float] = {}  # sid -> end of its latest D2H
-    open_from: dict[int, int] = {}  # sid -> first op its current device allocation counts at
-    seen: set[int] = set()
+    # sid -> first op its current device allocation counts at (the first access allocates)
+    open_from: dict[int, int] = dict(zip(arr.sids.tolist(), arr.first_op.tolist(), strict=True))
+    # only storages that are ever copied can make an op wait
+    moved = sorted({a.storage_id for acts in schedule.pre + schedule.post for a in acts
+                    if a.kind is Act.COPY_D2H or a.kind is Act.COPY_H2D})
+    pick = np.flatnonzero(np.isin(arr.access_sid, np.asarray(moved, dtype=np.int64)))
+    waits_on: dict[int, list[tuple[int, bool]]] = {}
+    for op, sid, write in zip(arr.access_op[pick].tolist(), arr.access_sid[pick].tolist(),
+                              arr.access_write[pick].tolist(), strict=True):
+        waits_on.setdefault(op, []).append((sid, write))
+    durations = arr.duration_ms.tolist()
     # (first op, last op before any D2H extension, D2H end, size)
     spans: list[tuple[int, int, float, int]] = []
     d2h_lane: list[LaneSpan] = []
@@ -110,21 +131,19 @@ def simulate(trace: ActivationTrace, schedule: ResidencySchedule) -> SimResult:
         if pre[i]:
             run(pre[i], clock, i)
         start = clock
-        for acc in trace.ops[i].accesses:
-            sid = acc.storage_id
-            if sid not in seen:
-                seen.add(sid)
-                open_from[sid] = i
-            t = arrive.get(sid, 0.0)
-            if t > start:
-                start = t
-            if acc.kind is AccessKind.WRITE:
-                t = left.get(sid, 0.0)
+        deps = waits_on.get(i)
+        if deps is not None:
+            for sid, write in deps:
+                t = arrive.get(sid, 0.0)
                 if t > start:
                     start = t
-        waits[i] = start - clock
+                if write:
+                    t = left.get(sid, 0.0)
+                    if t > start:
+                        start = t
+            waits[i] = start - clock
         starts[i] = start
-        clock = start + trace.ops[i].duration_ms
+        clock = start + durations[i]
         ends[i] = clock
         if post[i]:
             run(post[i], clock, i + 1)
@@ -146,7 +165,7 @@ def simulate(trace: ActivationTrace, schedule: ResidencySchedule) -> SimResult:
     step = max(clock, d2h_free, h2d_free)
     return SimResult(
         predicted_step_ms=step,
-        compute_ms=trace.total_duration_ms(),
+        compute_ms=float(arr.duration_ms.sum()),
         exposed_wait_ms=sum(waits),
         resident_bytes=resident,
         peak_resident_bytes=peak,

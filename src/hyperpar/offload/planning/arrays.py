@@ -1,0 +1,106 @@
+"""A trace flattened into numpy arrays, so planners scale to hundreds of thousands of ops."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hyperpar.offload.ir import AccessKind, ActivationTrace
+
+
+@dataclass(frozen=True)
+class TraceArrays:
+    num_ops: int
+    # one row per access, in op order
+    access_op: np.ndarray
+    access_sid: np.ndarray  # original storage id
+    access_write: np.ndarray  # bool
+    access_size: np.ndarray
+    duration_ms: np.ndarray  # per op
+    # per storage (dense index d; ``sids[d]`` is the storage id)
+    sids: np.ndarray
+    first_op: np.ndarray
+    last_op: np.ndarray  # last real access
+    end_op: np.ndarray  # last op it lives to (n-1 when retained)
+    size: np.ndarray
+
+
+def trace_arrays(trace: ActivationTrace) -> TraceArrays:
+    ops = trace.ops
+    n = len(ops)
+    counts = np.fromiter((len(op.accesses) for op in ops), dtype=np.int64, count=n)
+    access_sid = np.fromiter((a.storage_id for op in ops for a in op.accesses), dtype=np.int64)
+    write = AccessKind.WRITE
+    access_write = np.fromiter((a.kind is write for op in ops for a in op.accesses), dtype=bool)
+    access_op = np.repeat(np.arange(n, dtype=np.int64), counts)
+    sizes = trace.storage_sizes
+    sids, dense = np.unique(access_sid, return_inverse=True)
+    size = np.fromiter((sizes.get(int(s), 0) for s in sids), dtype=np.int64, count=len(sids))
+    first_op = np.full(len(sids), n, dtype=np.int64)
+    np.minimum.at(first_op, dense, access_op)
+    last_op = np.full(len(sids), -1, dtype=np.int64)
+    np.maximum.at(last_op, dense, access_op)
+    end_op = last_op.copy()
+    if trace.retained_sids and len(sids):
+        retained = np.isin(sids, np.fromiter(trace.retained_sids, dtype=np.int64))
+        end_op[retained] = n - 1
+    return TraceArrays(
+        num_ops=n,
+        access_op=access_op,
+        access_sid=access_sid,
+        access_write=access_write,
+        access_size=size[dense] if len(sids) else np.zeros(0, dtype=np.int64),
+        duration_ms=np.fromiter((op.duration_ms for op in ops), dtype=np.float64, count=n),
+        sids=sids,
+        first_op=first_op,
+        last_op=last_op,
+        end_op=end_op,
+        size=size,
+    )
+
+
+def resident_without_offload(arr: TraceArrays) -> np.ndarray:
+    """Bytes alive at each op (int64), as ``ActivationTrace.resident_bytes_without_offload``."""
+    delta = np.zeros(arr.num_ops + 1, dtype=np.int64)
+    np.add.at(delta, arr.first_op, arr.size)
+    np.add.at(delta, arr.end_op + 1, -arr.size)
+    return np.cumsum(delta[:-1])
+
+
+@dataclass(frozen=True)
+class GapArrays:
+    """Every candidate gap (see ``gaps.Gap``), unordered."""
+
+    sid: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    copy_op: np.ndarray
+    size: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.sid)
+
+
+def gap_arrays(arr: TraceArrays) -> GapArrays:
+    n = arr.num_ops
+    order = np.lexsort((arr.access_op, arr.access_sid))
+    sid = arr.access_sid[order]
+    op = arr.access_op[order]
+    write = arr.access_write[order]
+    first_in_group = np.ones(len(sid), dtype=bool)
+    first_in_group[1:] = sid[1:] != sid[:-1]
+    group = np.cumsum(first_in_group) - 1
+    # latest write at or before each access (the first access counts as one), per storage
+    marker = np.where(write | first_in_group, op, -1) + group * (n + 1)
+    latest_write = np.maximum.accumulate(marker) - group * (n + 1)
+    same = ~first_in_group[1:]
+    long_enough = (op[1:] - op[:-1]) >= 2
+    pick = np.flatnonzero(same & long_enough)
+    return GapArrays(
+        sid=sid[pick],
+        start=op[pick],
+        end=op[pick + 1],
+        copy_op=latest_write[pick],
+        size=arr.access_size[order][pick],
+    )
