@@ -1,0 +1,92 @@
+"""User-facing offload settings, checked when built so that a bad value fails early."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+PLANNER_CHOICES = ("greedy", "timed")
+DIVERGENCE_CHOICES = ("retrace", "raise")
+MIB = 1 << 20
+
+
+def _check_mb(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"OffloadConfig.{name} must be a number of MiB, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"OffloadConfig.{name} must be finite and >= 0, got {value!r}")
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """None -> the current accelerator (with its index) if there is one, else CPU."""
+    if device is None:
+        if torch.accelerator.is_available():
+            acc = torch.accelerator.current_accelerator()
+            assert acc is not None
+            return torch.device(acc.type, torch.accelerator.current_device_index())
+        return torch.device("cpu")
+    dev = torch.device(device)
+    if dev.type != "cpu" and dev.index is None and torch.accelerator.is_available():
+        dev = torch.device(dev.type, torch.accelerator.current_device_index())
+    return dev
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    max_resident_activation_mb: float = 1024
+    max_offload_activation_mb: float = 65536
+    planner: Any = "greedy"  # "greedy" | "timed" | an object with build(trace) -> schedule
+    device: str | torch.device | None = None
+    on_divergence: str = "retrace"
+    verify: bool = False  # checksum host copies (accepted now, enforced by the async runtime)
+
+    def __post_init__(self) -> None:
+        _check_mb("max_resident_activation_mb", self.max_resident_activation_mb)
+        _check_mb("max_offload_activation_mb", self.max_offload_activation_mb)
+        if isinstance(self.planner, str):
+            if self.planner not in PLANNER_CHOICES:
+                raise ValueError(
+                    f"OffloadConfig.planner must be one of {PLANNER_CHOICES} or an object with "
+                    f"build(trace), got {self.planner!r}"
+                )
+        elif not callable(getattr(self.planner, "build", None)):
+            raise TypeError(
+                f"OffloadConfig.planner must be a planner name or an object with build(trace), "
+                f"got {self.planner!r}"
+            )
+        if self.device is not None:
+            if not isinstance(self.device, (str, torch.device)):
+                raise TypeError(f"OffloadConfig.device must be None, a str or a torch.device, "
+                                f"got {self.device!r}")
+            try:
+                torch.device(self.device)
+            except RuntimeError as exc:
+                raise ValueError(f"OffloadConfig.device is not a device: {self.device!r}") from exc
+        if self.on_divergence not in DIVERGENCE_CHOICES:
+            raise ValueError(
+                f"OffloadConfig.on_divergence must be one of {DIVERGENCE_CHOICES}, "
+                f"got {self.on_divergence!r}"
+            )
+        if not isinstance(self.verify, bool):
+            raise TypeError(f"OffloadConfig.verify must be a bool, got {self.verify!r}")
+
+    @property
+    def budget_bytes(self) -> int:
+        return int(self.max_resident_activation_mb * MIB)
+
+    @property
+    def offload_cap_bytes(self) -> int:
+        return int(self.max_offload_activation_mb * MIB)
+
+    def resolved_device(self) -> torch.device:
+        return resolve_device(self.device)
+
+    def resolved_planner(self) -> Any:
+        if not isinstance(self.planner, str):
+            return self.planner
+        from hyperpar.offload.planning import get_planner  # planning sits beside capture, not below api
+
+        return get_planner(self.planner)

@@ -1,0 +1,144 @@
+"""OffloadSession: the context manager a training step runs in.
+
+The first clean exit turns the warmup trace into a schedule; later entries replay it.
+Whatever happens inside, every evicted storage still alive is paged back in on exit, so
+the tensors the user keeps are ordinary tensors afterwards.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import time
+from types import TracebackType
+
+import torch
+
+from hyperpar.offload.api.config import OffloadConfig
+from hyperpar.offload.capture import (
+    ExecutorBase,
+    OffloadDispatchMode,
+    ReplayExecutor,
+    ReplayProgram,
+    WarmupExecutor,
+)
+from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
+from hyperpar.offload.ir.report import StepReport
+from hyperpar.offload.runtime import HostPool, ResidencyManager, SyncCopyEngine, measure_bandwidth_gbps
+
+logger = logging.getLogger(__name__)
+_ACTIVE: contextvars.ContextVar[OffloadSession | None] = contextvars.ContextVar(
+    "hyperpar_offload_session", default=None
+)
+
+
+class OffloadSession:
+    def __init__(self, config: OffloadConfig | None = None) -> None:
+        if config is None:
+            config = OffloadConfig()
+        if not isinstance(config, OffloadConfig):
+            raise TypeError(f"OffloadSession(config=...) needs an OffloadConfig, got {config!r}")
+        self.config = config
+        self.device = config.resolved_device()
+        self.phase = "warmup"
+        self.trace: ActivationTrace | None = None
+        self.schedule: ResidencySchedule | None = None
+        self.last_report: StepReport | None = None
+        self._program: ReplayProgram | None = None
+        self._keys: list[object] | None = None
+        self._pool = HostPool(config.offload_cap_bytes, pin_memory=self.device.type != "cpu")
+        self._manager = ResidencyManager(self.device, self._pool, SyncCopyEngine())
+        self._executor: ExecutorBase | None = None
+        self._mode: OffloadDispatchMode | None = None
+        self._token: contextvars.Token[OffloadSession | None] | None = None
+        self._t0 = 0.0
+
+    @classmethod
+    def get_active(cls) -> OffloadSession | None:
+        return _ACTIVE.get()
+
+    def held_bytes(self) -> int:
+        """Host bytes held by the pool (in use or cached for reuse)."""
+        return self._pool.held_bytes
+
+    def tracked_storages(self) -> int:
+        """Storages in the residency table (0 between steps)."""
+        return len(self._manager.entries)
+
+    # --- context manager ------------------------------------------------------------
+    def __enter__(self) -> OffloadSession:
+        if self._executor is not None:
+            raise RuntimeError("this OffloadSession is already active: a session is not re-entrant")
+        if _ACTIVE.get() is not None:
+            raise RuntimeError("another OffloadSession is active: sessions cannot be nested")
+        m = self._manager
+        m.clear()
+        m.bytes_d2h = m.bytes_h2d = m.demand_faults = m.cap_hits = 0
+        budget = self.config.budget_bytes
+        if self.phase == "replay" and self._program is not None:
+            executor: ExecutorBase = ReplayExecutor(m, self.device, budget, self._program,
+                                                    self.config.on_divergence)
+        else:
+            executor = WarmupExecutor(m, self.device, budget)
+        self._executor = executor
+        self._mode = OffloadDispatchMode(executor)
+        self._token = _ACTIVE.set(self)
+        self._sync()
+        self._t0 = time.perf_counter()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> bool:
+        executor, mode = self._executor, self._mode
+        assert executor is not None and mode is not None
+        clean = exc_type is None
+        try:
+            mode.__exit__(None, None, None)
+        finally:
+            self._reset_active()
+        pending: BaseException | None = None
+        try:
+            self._sync()
+            step_ms = (time.perf_counter() - self._t0) * 1e3
+            report, pending = executor.finish(clean, step_ms)
+            if clean:
+                self._after_clean_step(executor, report)
+        except BaseException as cleanup_error:
+            if clean:
+                pending = cleanup_error
+            else:
+                logger.exception("cleanup after a failed offload step failed; re-raising the original error")
+        finally:
+            self._manager.clear()
+            if not clean or pending is not None:
+                self._pool.trim()
+            self._executor = None
+            self._mode = None
+        if pending is not None:
+            raise pending
+        return False
+
+    def _after_clean_step(self, executor: ExecutorBase, report: StepReport) -> None:
+        if isinstance(executor, WarmupExecutor):
+            d2h, h2d = measure_bandwidth_gbps(self.device)
+            trace = executor.build_trace(d2h, h2d)
+            schedule = self.config.resolved_planner().build(trace)
+            self._program = ReplayProgram.build(trace, schedule, executor.keys)
+            self.trace, self.schedule = trace, schedule
+            self.phase = "replay"
+        elif isinstance(executor, ReplayExecutor) and report.diverged_at is not None:
+            self.phase = "warmup"  # re-trace at the next entry
+        self.last_report = report
+
+    def _reset_active(self) -> None:
+        token, self._token = self._token, None
+        try:
+            if token is not None:
+                _ACTIVE.reset(token)
+        except ValueError:  # exited in another context than the one it entered
+            _ACTIVE.set(None)
+
+    def _sync(self) -> None:
+        if self.device.type != "cpu" and torch.accelerator.is_available():
+            torch.accelerator.synchronize()

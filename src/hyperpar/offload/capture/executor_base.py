@@ -1,0 +1,65 @@
+"""What warmup and replay share: the op entry point, opaque regions, demand paging."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hyperpar.offload.capture.op_args import storage_of, tensor_inputs
+from hyperpar.offload.ir.report import StepReport
+from hyperpar.offload.runtime import ResidencyManager
+
+
+class ExecutorBase:
+    phase = "base"
+
+    def __init__(self, manager: ResidencyManager, device: torch.device, budget_bytes: int) -> None:
+        self.manager = manager
+        self.device = device
+        self.budget_bytes = budget_bytes
+        self.opaque_depth = 0  # > 0 inside skip_offload: ops run untraced
+        self.passthrough = 0  # > 0 while our own copies run: ops run untouched
+        self.closed = False
+
+    def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.passthrough:
+            return func(*args, **kwargs)
+        if self.opaque_depth:
+            # Not traced, but a 0-byte (evicted) storage must still never reach a kernel.
+            if self.manager.evicted:
+                self.manager.page_in_inputs(tensor_inputs(args, kwargs))
+            return func(*args, **kwargs)
+        return self.run_op(func, args, kwargs)
+
+    def device_storages(self, tensors: list[torch.Tensor]) -> list[torch.UntypedStorage]:
+        dev = self.device
+        out = []
+        for t in tensors:
+            if t.device == dev:
+                st = storage_of(t)
+                if st is not None:
+                    out.append(st)
+        return out
+
+    def page_in_storages(self, storages: list[torch.UntypedStorage]) -> None:
+        m = self.manager
+        for st in storages:
+            entry = m.evicted.get(st._cdata)
+            if entry is not None and entry.ref() is st:
+                m.copy_h2d(entry, demand=True)
+
+    # --- per phase ------------------------------------------------------------------
+    def run_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        raise NotImplementedError
+
+    def begin_opaque(self, name: str, reads: list[torch.UntypedStorage]) -> Any:
+        """Start a skip_offload region as one op reading ``reads``; returns a token."""
+        raise NotImplementedError
+
+    def end_opaque(self, token: Any, outputs: list[torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def finish(self, clean: bool, step_ms: float) -> tuple[StepReport, Exception | None]:
+        """Page every live storage back in; returns the report and an error to raise, if any."""
+        raise NotImplementedError

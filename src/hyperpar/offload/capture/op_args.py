@@ -1,0 +1,79 @@
+"""Which tensors an op reads, which it writes (from its schema), and what it returned."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+Tensor = torch.Tensor
+
+# func -> ((schema position, argument name, kwarg-only), ...) for arguments marked (a!).
+_WRITE_SPECS: dict[Any, tuple[tuple[int, str, bool], ...]] = {}
+
+
+def tensor_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
+    """Tensors among args and kwargs, including those inside tensor lists (e.g. cat)."""
+    out: list[Tensor] = []
+    for a in args:
+        if isinstance(a, Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(b for b in a if isinstance(b, Tensor))
+    if kwargs:
+        for a in kwargs.values():
+            if isinstance(a, Tensor):
+                out.append(a)
+            elif isinstance(a, (list, tuple)):
+                out.extend(b for b in a if isinstance(b, Tensor))
+    return out
+
+
+def _write_spec(func: Any) -> tuple[tuple[int, str, bool], ...]:
+    spec = _WRITE_SPECS.get(func)
+    if spec is None:
+        schema = getattr(func, "_schema", None)
+        spec = tuple(
+            (pos, arg.name, bool(arg.kwarg_only))
+            for pos, arg in enumerate(schema.arguments if schema is not None else ())
+            if arg.alias_info is not None and arg.alias_info.is_write
+        )
+        _WRITE_SPECS[func] = spec
+    return spec
+
+
+def written_tensors(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
+    """Tensors the op mutates, matched to the schema by position and by name.
+
+    Positional schema arguments are looked up in ``args`` by their schema position (so a
+    non-tensor argument before a tensor shifts nothing), kwarg-only ones such as ``out``
+    in ``kwargs`` by name; a mutated tensor list (``_foreach_add_``) yields every tensor.
+    """
+    out: list[Tensor] = []
+    for pos, name, kwarg_only in _write_spec(func):
+        if not kwarg_only and pos < len(args):
+            value = args[pos]
+        else:
+            value = kwargs.get(name)
+        if isinstance(value, Tensor):
+            out.append(value)
+        elif isinstance(value, (list, tuple)):
+            out.extend(v for v in value if isinstance(v, Tensor))
+    return out
+
+
+def output_leaves(out: Any) -> list[Any]:
+    """The op's result as a flat list of leaves (fast path for a tensor or tensor tuple)."""
+    if isinstance(out, Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)) and all(isinstance(o, Tensor) for o in out):
+        return list(out)
+    return tree_leaves(out)
+
+
+def storage_of(t: Tensor) -> torch.UntypedStorage | None:
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
+        return None

@@ -1,0 +1,199 @@
+"""Warmup: run the step once, record what every op touched, keep under budget online.
+
+Before each op its input activations are protected and paged in if evicted; then, while
+the resident activation bytes exceed the budget, the storage produced by the oldest op
+(largest first among one op's outputs) that is resident and unprotected goes to host.
+When nothing is left to evict the overshoot is recorded, never raised.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+import weakref
+from typing import Any
+
+import torch
+
+from hyperpar.offload.capture.executor_base import ExecutorBase
+from hyperpar.offload.capture.op_args import output_leaves, storage_of, tensor_inputs, written_tensors
+from hyperpar.offload.ir import AccessKind, ActivationTrace, OpGuide, StorageAccess, TraceOp
+from hyperpar.offload.ir.report import StepReport
+from hyperpar.offload.runtime import ResidencyManager
+
+READ, WRITE = AccessKind.READ, AccessKind.WRITE
+_NAMES: dict[Any, str] = {}
+
+
+def op_name(func: Any) -> str:
+    name = _NAMES.get(func)
+    if name is None:
+        name = _NAMES[func] = str(func)
+    return name
+
+
+class _OpState:
+    __slots__ = ("in_keys", "index", "key", "kinds", "name", "t0")
+
+    def __init__(self, index: int, key: Any, name: str, kinds: dict[int, AccessKind],
+                 in_keys: set[int]) -> None:
+        self.index, self.key, self.name, self.kinds, self.in_keys = index, key, name, kinds, in_keys
+        self.t0 = 0.0
+
+
+class WarmupExecutor(ExecutorBase):
+    phase = "warmup"
+
+    def __init__(self, manager: ResidencyManager, device: torch.device, budget_bytes: int) -> None:
+        super().__init__(manager, device, budget_bytes)
+        self.ops: list[TraceOp] = []
+        self.guides: list[OpGuide] = []
+        self.keys: list[Any] = []  # OpOverload, or the opaque region's name
+        self.storage_sizes: dict[int, int] = {}
+        self._plain: dict[int, weakref.ref] = {}  # storages first seen as inputs: not activations
+        self._heap: list[tuple[int, int, int]] = []  # (producer op, -bytes, sid)
+        self._sync = device.type != "cpu" and torch.accelerator.is_available()
+        self.peak_bytes = 0
+        self.peak_op: int | None = None
+
+    # --- ops ------------------------------------------------------------------------
+    def run_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        reads = self.device_storages(tensor_inputs(args, kwargs))
+        writes = self.device_storages(written_tensors(func, args, kwargs))
+        state = self._begin(func, op_name(func), reads, writes)
+        out = func(*args, **kwargs)
+        self._end(state, output_leaves(out))
+        return out
+
+    def begin_opaque(self, name: str, reads: list[torch.UntypedStorage]) -> _OpState:
+        return self._begin(name, name, reads, [])
+
+    def end_opaque(self, token: _OpState, outputs: list[torch.Tensor]) -> None:
+        self._end(token, list(outputs))
+
+    def _begin(self, key: Any, name: str, reads: list[torch.UntypedStorage],
+               writes: list[torch.UntypedStorage]) -> _OpState:
+        m = self.manager
+        kinds: dict[int, AccessKind] = {}
+        in_keys: set[int] = set()
+        for st in reads:
+            in_keys.add(st._cdata)
+            entry = m.lookup(st)
+            if entry is not None:
+                kinds.setdefault(entry.sid, READ)
+            else:
+                self._plain[st._cdata] = weakref.ref(st)
+        for st in writes:
+            entry = m.lookup(st)
+            if entry is not None:
+                kinds[entry.sid] = WRITE
+        for sid in kinds:
+            entry = m.entries[sid]
+            if not entry.resident:
+                m.copy_h2d(entry, demand=True)
+                heapq.heappush(self._heap, (entry.producer_op, -entry.nbytes, sid))
+        self._enforce_budget(kinds)
+        state = _OpState(len(self.ops), key, name, kinds, in_keys)
+        state.t0 = time.perf_counter()
+        return state
+
+    def _end(self, state: _OpState, leaves: list[Any]) -> None:
+        if self._sync:
+            torch.accelerator.synchronize()
+        duration_ms = (time.perf_counter() - state.t0) * 1e3
+        m, dev, i, kinds = self.manager, self.device, state.index, state.kinds
+        meta: list[Any] = []
+        new: list[tuple[int, torch.UntypedStorage, int]] = []  # (bytes, storage, leaf)
+        for li, leaf in enumerate(leaves):
+            if not isinstance(leaf, torch.Tensor):
+                meta.append(None)
+                continue
+            meta.append((tuple(leaf.shape), str(leaf.dtype)))
+            if leaf.device != dev:
+                continue
+            st = storage_of(leaf)
+            if st is None or st._cdata in state.in_keys:
+                continue
+            entry = m.lookup(st)
+            if entry is not None:
+                kinds[entry.sid] = WRITE
+                continue
+            plain = self._plain.get(st._cdata)
+            if plain is not None and plain() is st:
+                continue
+            nbytes = st.nbytes()
+            if nbytes and not any(s is st for _, s, _ in new):
+                new.append((nbytes, st, li))
+        bindings: dict[int, int] = {}
+        new.sort(key=lambda x: -x[0])
+        for nbytes, st, li in new:
+            sid = len(self.storage_sizes)
+            m.bind(sid, st, producer_op=i)
+            self.storage_sizes[sid] = nbytes
+            bindings[li] = sid
+            kinds[sid] = WRITE
+            heapq.heappush(self._heap, (i, -nbytes, sid))
+        for sid, kind in kinds.items():
+            entry = m.entries.get(sid)
+            if kind is WRITE and entry is not None:
+                m.mark_written(entry)
+                self._refresh_size(entry)
+        if m.resident_bytes > self.peak_bytes:
+            self.peak_bytes, self.peak_op = m.resident_bytes, i
+        self.ops.append(TraceOp(state.name, duration_ms,
+                                tuple(StorageAccess(i, sid, kind) for sid, kind in kinds.items())))
+        self.guides.append(OpGuide(state.name, len(leaves), bindings, tuple(meta)))
+        self.keys.append(state.key)
+
+    def _refresh_size(self, entry: Any) -> None:
+        """An op with ``out=`` may have resized an existing storage."""
+        st = entry.ref()
+        if st is None or not entry.resident:
+            return
+        nbytes = st.nbytes()
+        if nbytes != entry.nbytes:
+            self.manager.resident_bytes += nbytes - entry.nbytes
+            entry.nbytes = nbytes
+            self.storage_sizes[entry.sid] = max(self.storage_sizes[entry.sid], nbytes)
+
+    def _enforce_budget(self, protected: dict[int, AccessKind]) -> None:
+        m, heap = self.manager, self._heap
+        if m.resident_bytes <= self.budget_bytes:
+            return
+        skipped = []
+        while m.resident_bytes > self.budget_bytes and heap:
+            item = heapq.heappop(heap)
+            entry = m.entries.get(item[2])
+            if entry is None or not entry.resident or not entry.evictable:
+                continue
+            if item[2] in protected:
+                skipped.append(item)
+                continue
+            if not (m.copy_d2h(entry) and m.release_device(entry)):
+                entry.evictable = False  # host pool at its cap, or a non-resizable storage
+        for item in skipped:
+            heapq.heappush(heap, item)
+
+    # --- end of step ----------------------------------------------------------------
+    def finish(self, clean: bool, step_ms: float) -> tuple[StepReport, Exception | None]:
+        self.closed = True
+        m = self.manager
+        m.restore_all()
+        report = StepReport(
+            phase="warmup", op_count=len(self.ops), peak_resident_bytes=self.peak_bytes,
+            budget_bytes=self.budget_bytes, bytes_d2h=m.bytes_d2h, bytes_h2d=m.bytes_h2d,
+            demand_faults=m.demand_faults, step_ms=step_ms,
+            overshoot_bytes=max(self.peak_bytes - self.budget_bytes, 0),
+            overshoot_op=self.peak_op if self.peak_bytes > self.budget_bytes else None,
+            offload_cap_hits=m.cap_hits,
+        )
+        return report, None
+
+    def build_trace(self, d2h_gbps: float, h2d_gbps: float) -> ActivationTrace:
+        """Call after finish(): storages still bound are alive, hence retained."""
+        retained = frozenset(sid for sid, e in self.manager.entries.items() if e.ref() is not None)
+        return ActivationTrace(
+            ops=self.ops, storage_sizes=dict(self.storage_sizes), retained_sids=retained,
+            memory_limit_bytes=self.budget_bytes, d2h_bandwidth_gbps=d2h_gbps,
+            h2d_bandwidth_gbps=h2d_gbps, guides=self.guides,
+        )

@@ -1,0 +1,65 @@
+"""What one step did: memory against the budget, bytes moved, faults, time."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from hyperpar.offload.ir.json_io import IRFormatError, read_json, write_json
+
+
+@dataclass
+class StepReport:
+    phase: str
+    op_count: int
+    # Warmup: measured over every tracked activation. Replay: the trace's per-op resident
+    # bytes minus what the residency manager has actually moved off the device.
+    peak_resident_bytes: int
+    budget_bytes: int
+    bytes_d2h: int = 0
+    bytes_h2d: int = 0
+    demand_faults: int = 0
+    exposed_wait_ms: float = 0.0
+    step_ms: float = 0.0
+    predicted_step_ms: float | None = None
+    overshoot_bytes: int = 0  # max(peak - budget, 0)
+    overshoot_op: int | None = None
+    offload_cap_hits: int = 0
+    diverged_at: int | None = None  # first op that did not match the trace (replay)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        mib = 1 << 20
+        text = (
+            f"{self.phase}: {self.op_count} ops, peak {self.peak_resident_bytes / mib:.1f} MiB / "
+            f"budget {self.budget_bytes / mib:.1f} MiB, d2h {self.bytes_d2h / mib:.1f} MiB, "
+            f"h2d {self.bytes_h2d / mib:.1f} MiB, {self.demand_faults} faults, {self.step_ms:.1f} ms"
+        )
+        if self.overshoot_bytes:
+            text += f", over budget by {self.overshoot_bytes / mib:.2f} MiB at op {self.overshoot_op}"
+        if self.offload_cap_hits:
+            text += f", {self.offload_cap_hits} host cap hits"
+        if self.diverged_at is not None:
+            text += f", diverged at op {self.diverged_at}"
+        return text
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any], where: str = "report") -> StepReport:
+        known = {f.name for f in fields(cls)}
+        missing = {"phase", "op_count", "peak_resident_bytes", "budget_bytes"} - doc.keys()
+        if missing:
+            raise IRFormatError(f"{where}: missing field(s) {sorted(missing)}")
+        try:
+            return cls(**{k: v for k, v in doc.items() if k in known})
+        except TypeError as exc:
+            raise IRFormatError(f"{where}: {exc}") from exc
+
+    def save(self, path: str | Path) -> None:
+        write_json(path, "report", self.as_dict())
+
+    @classmethod
+    def load(cls, path: str | Path) -> StepReport:
+        return cls.from_dict(read_json(path, "report"), where=str(path))
