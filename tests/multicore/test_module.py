@@ -276,3 +276,19 @@ def test_works_when_torch_distributed_is_unavailable(manager: ResourceManager,
     a.close()
     b.close()
     assert a.created[0].closed
+
+
+def test_copies_get_their_own_unbound_group(manager: ResourceManager) -> None:
+    import copy
+    import pickle
+
+    module = FakeModule(3)
+    module(torch.ones(1))
+    for clone in (copy.deepcopy(module), pickle.loads(pickle.dumps(module))):
+        assert clone.binding_id is None and clone._resource_group is not module._resource_group
+        assert torch.equal(clone.weight, module.weight)
+        clone(torch.ones(1))
+        assert clone._resource_group.resources is not module._resource_group.resources
+        clone.close()
+    assert module.binding_id == 1 and not module.execution_resources_closed
+    module.close()

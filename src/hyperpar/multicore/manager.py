@@ -244,21 +244,33 @@ class ResourceManager:
             self._groups.remove(group)
         self._scopes.pop(id(group), None)
 
-    def _close_agreed(self, groups: Sequence[ResourceGroup], scope: _Scope, stage: str) -> None:
+    def _close_agreed(self, groups: Sequence[ResourceGroup], scope: _Scope, stage: str,
+                      keep_going: bool = False) -> None:
         """Close groups whose manifest and readiness were already agreed, in binding-id order.
         A failure anywhere raises on every rank and leaves that group closing, with its
-        resources, so that a retry calls close() again."""
+        resources, so that a retry calls close() again. ``keep_going`` (cleanup) still tries
+        the later groups, each outcome agreed on its own, and raises the first failure last."""
+        first_error: CollectiveError | None = None
         for group in sorted(groups, key=lambda g: g.binding_id or 0):
             group.closing = True
-            scope.agree(f"{stage}: close binding id {group.binding_id}", group.resources.close)
+            try:
+                scope.agree(f"{stage}: close binding id {group.binding_id}", group.resources.close)
+            except CollectiveError as exc:
+                if not keep_going:
+                    raise
+                first_error = first_error or exc
+                continue
             group.closing = False
             group.closed = True
             group.resources = None
             self._forget(group)
             logger.debug("closed %s", group.describe())
         self._maybe_release_runtime()
+        if first_error is not None:
+            raise first_error
 
-    def close_groups(self, groups: Iterable[ResourceGroup], stage: str = "close") -> None:
+    def close_groups(self, groups: Iterable[ResourceGroup], stage: str = "close",
+                     keep_going: bool = False) -> None:
         """Collectively close bound groups (all from one root process group): check manifests and
         readiness on every rank, then close in binding-id order."""
         with self._lock:
@@ -282,7 +294,7 @@ class ResourceManager:
                 raise CollectiveError.create(
                     stage, {}, "not ready to close (a call in flight or a pending backward holds the "
                                "resources): " + "; ".join(not_ready))
-            self._close_agreed(groups, scope, stage)
+            self._close_agreed(groups, scope, stage, keep_going)
 
     def close_member(self, token: MemberToken) -> None:
         """``module.close()``: the member retires; if it is the last member of its bound group on
@@ -338,18 +350,25 @@ class ResourceManager:
                 if scope.distributed and (everything or scope.root is process_group):
                     roots.setdefault(id(scope.root), scope.root)
         ordered = sorted(roots.values(), key=lambda r: (r is not world, getattr(r, "group_name", "")))
+        first_error: Exception | None = None
         for root in ordered:
             groups = self.bound_groups(root)
             logger.info("closing %d resource group(s) before destroy_process_group: %s", len(groups),
                         ", ".join(g.describe() for g in groups))
-            self.close_groups(groups, stage="cleanup before destroy_process_group")
+            try:
+                self.close_groups(groups, stage="cleanup before destroy_process_group", keep_going=True)
+            except CollectiveError as exc:
+                first_error = first_error or exc
+        if first_error is not None:
+            raise first_error
 
     def close_all_at_exit(self) -> None:
         """Interpreter exit: close what is left locally (peers may be gone: no collectives),
         logging each group that was never closed and each failure."""
         with self._lock:
             for group in self.bound_groups():
-                logger.warning("resource group never closed before interpreter exit: %s", group.describe())
+                logger.warning("resource group never closed before interpreter exit: %s; resources %s %s",
+                               group.describe(), type(group.resources).__name__, _lifecycle_text(group))
                 try:
                     group.resources.close()
                 except Exception:

@@ -25,6 +25,9 @@ def _check_hashable(name: str, value: Any) -> None:
         raise TypeError(f"{name} must be hashable, got {type(value).__name__} {value!r}") from exc
 
 
+_LIFECYCLE_ATTRIBUTES = ("_resource_token", "_resource_was_bound", "_resource_finalizer")
+
+
 class MulticoreModule(torch.nn.Module):
     """Base class for modules that own long-lived execution resources (workspaces, buffers).
 
@@ -39,18 +42,34 @@ class MulticoreModule(torch.nn.Module):
         super().__init__()
         _check_hashable("resource_compatibility_key", resource_compatibility_key)
         _check_hashable("resource_scope_key", resource_scope_key)
-        module_type = f"{type(self).__module__}.{type(self).__qualname__}"
-        group = MANAGER.new_group(module_type, resource_compatibility_key, resource_scope_key)
-        token = MANAGER.new_token(module_type)
-        group.members[token] = resource_specification
-        token.group = group
         self.resource_specification = resource_specification
         self.resource_compatibility_key = resource_compatibility_key
         self.resource_scope_key = resource_scope_key
+        self._join_new_group()
+
+    def _join_new_group(self) -> None:
+        module_type = f"{type(self).__module__}.{type(self).__qualname__}"
+        group = MANAGER.new_group(module_type, self.resource_compatibility_key, self.resource_scope_key)
+        token = MANAGER.new_token(module_type)
+        group.members[token] = self.resource_specification
+        token.group = group
         self._resource_token: MemberToken | None = token
         self._resource_was_bound = False
         # Retires the membership when the module is collected; never frees native memory.
         self._resource_finalizer = weakref.finalize(self, MANAGER.retire, token)
+        self._resource_finalizer.atexit = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies and pickles carry parameters and configuration, never execution resources."""
+        state = dict(self.__dict__)
+        for name in _LIFECYCLE_ATTRIBUTES:
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A copy (``copy.deepcopy``, unpickling) gets its own unbound, unshared group."""
+        super().__setstate__(state)
+        self._join_new_group()
 
     # ----- subclass hooks ---------------------------------------------------------------
     def _create_execution_resources(self, tensor: torch.Tensor, *, shared: bool,
