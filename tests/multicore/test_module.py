@@ -292,3 +292,30 @@ def test_copies_get_their_own_unbound_group(manager: ResourceManager) -> None:
         clone.close()
     assert module.binding_id == 1 and not module.execution_resources_closed
     module.close()
+
+
+def test_an_orphan_left_closing_is_closed_not_reused(manager: ResourceManager) -> None:
+    module = FakeModule(4, close_failures=1)
+    module(torch.ones(1))
+    resources = module.created[0]
+    with pytest.raises(CollectiveError):
+        module.close()
+    del module
+    gc.collect()
+    again = FakeModule(4)
+    again(torch.ones(1))
+    assert len(again.create_calls) == 1 and resources.close_calls == 2 and resources.closed
+
+
+def test_recycling_does_not_release_the_runtime(manager: ResourceManager) -> None:
+    calls: list[int] = []
+    manager.register_runtime_release(lambda: calls.append(1))
+    old = FakeModule(1)
+    old(torch.ones(1))
+    del old
+    gc.collect()
+    new = FakeModule(2)
+    new(torch.ones(1))  # closes the last orphan, then creates: the runtime stays up
+    assert calls == [] and len(manager.bound_groups()) == 1
+    new.close()
+    assert calls == [1]

@@ -150,12 +150,15 @@ class ResourceManager:
             manifest = [(g.binding_id, g.signature) for g in candidates]
             flags = [(g.orphan, _is_idle(g), self._compatible(g, group, signature, tensor))
                      if precheck_error is None else (False, False, False) for g in candidates]
-            gathered = scope.gather((outcome_of(precheck_error), signature, manifest, flags))
+            key = scope.key()
+            next_id = self._counters.get(key, 0) + 1
+            gathered = scope.gather((outcome_of(precheck_error), signature, manifest, flags, next_id))
             ranks = scope.ranks()
             raise_if_any_failed("bind", [item[0] for item in gathered], ranks, precheck_error)
             assert group is not None  # a missing group always comes with a precheck error
             detail = (value_difference("requested signature", [item[1] for item in gathered], ranks)
-                      or manifest_difference("bound groups", [item[2] for item in gathered], ranks))
+                      or manifest_difference("bound groups", [item[2] for item in gathered], ranks)
+                      or value_difference("next binding id", [item[4] for item in gathered], ranks))
             if detail:
                 raise CollectiveError.create("bind", {}, f"{BINDING_MISMATCH}: {detail}")
             all_flags = [item[3] for item in gathered]
@@ -168,7 +171,7 @@ class ResourceManager:
             if stale:
                 logger.info("recycle: closing %d idle orphan group(s): %s", len(stale),
                             ", ".join(g.describe() for g in stale))
-                self._close_agreed(stale, scope, "recycle")
+                self._close_agreed(stale, scope, "recycle", release_runtime=False)
             if reuse is not None:
                 orphan = candidates[reuse]
                 logger.info("recycle: reusing %s", orphan.describe())
@@ -178,9 +181,8 @@ class ResourceManager:
             else:
                 resources = self._create(group, module, tensor, scope)
                 creation_specs = tuple(repr(s) for s in group.members.values())
-            key = scope.key()
-            self._counters[key] = self._counters.get(key, 0) + 1
-            group.binding_id = self._counters[key]
+            self._counters[key] = next_id
+            group.binding_id = next_id
             group.resources = resources
             group.device = tensor.device
             group.dtype = tensor.dtype
@@ -206,7 +208,7 @@ class ResourceManager:
         if group is None:
             return False
         wanted = {repr(s) for s in group.members.values()}
-        return (orphan.module_type == group.module_type
+        return (not orphan.closing and orphan.module_type == group.module_type
                 and orphan.compatibility_key == group.compatibility_key
                 and orphan.scope_key == group.scope_key
                 and orphan.signature == signature
@@ -245,7 +247,7 @@ class ResourceManager:
         self._scopes.pop(id(group), None)
 
     def _close_agreed(self, groups: Sequence[ResourceGroup], scope: _Scope, stage: str,
-                      keep_going: bool = False) -> None:
+                      keep_going: bool = False, release_runtime: bool = True) -> None:
         """Close groups whose manifest and readiness were already agreed, in binding-id order.
         A failure anywhere raises on every rank and leaves that group closing, with its
         resources, so that a retry calls close() again. ``keep_going`` (cleanup) still tries
@@ -265,7 +267,8 @@ class ResourceManager:
             group.resources = None
             self._forget(group)
             logger.debug("closed %s", group.describe())
-        self._maybe_release_runtime()
+        if release_runtime:  # not while recycling: the binding is about to need the runtime again
+            self._maybe_release_runtime()
         if first_error is not None:
             raise first_error
 
