@@ -30,7 +30,7 @@ def emit_schedule(
     arr = arrays if arrays is not None else trace_arrays(trace)
     d2h: list[tuple[int, int]] = []
     frees: list[tuple[int, int]] = []
-    h2d: list[tuple[int, int]] = []
+    h2d: list[tuple[int, int, int]] = []  # (issue op, consumer, sid): earlier consumers first
     order = sorted(range(len(chosen)), key=lambda k: (chosen[k].sid, chosen[k].start))
     prev_sid, copied_at = None, None
     for k in order:
@@ -41,7 +41,7 @@ def emit_schedule(
             d2h.append((gap.copy_op, gap.sid))
             copied_at = gap.copy_op
         frees.append((gap.start, gap.sid))
-        h2d.append((gap.end if h2d_ops is None else h2d_ops[k], gap.sid))
+        h2d.append((gap.end if h2d_ops is None else h2d_ops[k], gap.end, gap.sid))
     moved = {gap.sid for gap in chosen}
     last_frees: list[tuple[int, int]] = []
     host_frees: list[tuple[int, int]] = []
@@ -54,16 +54,18 @@ def emit_schedule(
     schedule = ResidencySchedule.empty(trace.num_ops, planner=planner)
     schedule.budget_bytes = trace.memory_limit_bytes
     post, pre = schedule.post, schedule.pre
-    for items, kind, lists in (
-        (d2h, Act.COPY_D2H, post),
-        (frees, Act.RELEASE_DEVICE, post),
-        (last_frees, Act.RELEASE_DEVICE, post),
-        (host_frees, Act.RELEASE_HOST, post),
-        (h2d, Act.COPY_H2D, pre),
+    for items, kind in (
+        (d2h, Act.COPY_D2H),
+        (frees, Act.RELEASE_DEVICE),
+        (last_frees, Act.RELEASE_DEVICE),
+        (host_frees, Act.RELEASE_HOST),
     ):
         items.sort()
         for op, sid in items:
-            lists[op].append(ResidencyAction(kind, sid))
+            post[op].append(ResidencyAction(kind, sid))
+    h2d.sort()
+    for op, _, sid in h2d:
+        pre[op].append(ResidencyAction(Act.COPY_H2D, sid))
     return schedule
 
 
