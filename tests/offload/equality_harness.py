@@ -58,7 +58,8 @@ def _update(model: nn.Module) -> None:
                 p.sub_(0.01 * p.grad)
 
 
-def _assert_same(plain: nn.Module, off: nn.Module, loss_a: torch.Tensor, loss_b: torch.Tensor, where: str) -> None:
+def _assert_same(plain: nn.Module, off: nn.Module, loss_a: torch.Tensor, loss_b: torch.Tensor,
+                 where: str) -> None:
     assert torch.equal(loss_a, loss_b), f"{where}: loss {loss_a.item()} != {loss_b.item()}"
     for (name, pa), (_, pb) in zip(plain.named_parameters(), off.named_parameters(), strict=True):
         assert (pa.grad is None) == (pb.grad is None), f"{where}: grad presence of {name}"

@@ -80,9 +80,9 @@ class _Boom(nn.Module):
         return h
 
 
-@pytest.mark.parametrize("exc", [ValueError("boom"), KeyboardInterrupt()], ids=["ValueError", "KeyboardInterrupt"])
+@pytest.mark.parametrize("exc", [ValueError("boom"), KeyboardInterrupt()], ids=["ValueError", "Interrupt"])
 @pytest.mark.parametrize("phase", ["warmup", "replay"])
-def test_exception_mid_step_frees_everything_and_the_session_stays_usable(exc: BaseException, phase: str) -> None:
+def test_exception_mid_step_frees_everything_and_session_stays_usable(exc: BaseException, phase: str) -> None:
     torch.manual_seed(0)
     boom = _Boom(exc)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), boom, nn.Linear(32, 2))
@@ -152,11 +152,13 @@ def test_raise_on_divergence_names_the_op_and_frees_everything() -> None:
     _grads(model, _x(), session)
     _grads(model, _x(), session)
     model.extra = True
-    with pytest.raises(OffloadDivergenceError, match=r"at op \d+: expected aten\.\w+\.\w+ -> \[.*\], got aten\.mul"):
+    pattern = r"at op \d+: expected aten\.\w+\.\w+ -> \[.*\], got aten\.mul"
+    with pytest.raises(OffloadDivergenceError, match=pattern):
         _grads(model, _x(), session)
     assert session.held_bytes() == 0 and session.tracked_storages() == 0
     model.extra = False
-    with pytest.raises(OffloadDivergenceError, match=r"op 1: expected aten.addmm.default -> \[\(6, 32\):float32\]"):
+    pattern = r"op 1: expected aten.addmm.default -> \[\(6, 32\):float32\]"
+    with pytest.raises(OffloadDivergenceError, match=pattern):
         _grads(model, _x(7), session)
     assert session.phase == "replay" and session.held_bytes() == 0
     assert _equal(_grads(model, _x(), session), _grads(reference, _x()))
