@@ -126,9 +126,9 @@ def _raise_input_problems(setup: RoutingSetup, statuses: list[int], problems: li
         everyone = [[] for _ in range(setup.ep_size)]
         dist.all_gather_object(everyone, problems, group=setup.group)
     lines = [f"EP rank {r}: {p}" for r, rank_problems in enumerate(everyone) for p in rank_problems]
-    raise ValueError("MoeExperts input rejected on " + ", ".join(
-        str(r) for r, s in enumerate(statuses) if s != _OK) + " of the EP ranks before any dispatch:\n  "
-        + "\n  ".join(lines))
+    rejected = ", ".join(str(r) for r, s in enumerate(statuses) if s != _OK)
+    raise ValueError(f"MoeExperts input rejected by EP rank(s) {rejected} before any dispatch:\n  "
+                     + "\n  ".join(lines))
 
 
 def _recv_to_expert(per_source: torch.Tensor) -> torch.Tensor:

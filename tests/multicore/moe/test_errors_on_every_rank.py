@@ -1,0 +1,71 @@
+"""Bad input, capacity overflow and mismatched configuration raise on every rank; nothing hangs."""
+
+from __future__ import annotations
+
+import torch
+
+from hyperpar.multicore.moe import MoeExperts
+from tests.rank_harness import run_ranks
+
+H, INTER, E, K, MAX_T = 16, 8, 4, 2, 8
+
+
+def _layer(world: int, **overrides: object) -> MoeExperts:
+    kwargs: dict = dict(local_num_tokens=MAX_T, hidden_size=H, intermediate_size=INTER, num_experts=E,
+                        top_k=K, ep_size=world)
+    kwargs.update(overrides)
+    return MoeExperts(**kwargs)
+
+
+def _error_text(fn: object) -> str:
+    try:
+        fn()  # type: ignore[operator]
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def _failures_body(rank: int, world: int) -> dict[str, str]:
+    torch.manual_seed(rank)
+    out: dict[str, str] = {}
+    x = torch.randn(MAX_T, H)
+    w = torch.rand(MAX_T, K)
+    spread = torch.tensor([[0, 2], [1, 3]] * (MAX_T // 2))
+    layer = _layer(world, expert_capacity_factor=1.0)
+    # every row of both ranks goes to experts 0 and 1 on rank 0: 2x its capacity
+    to_rank0 = torch.tensor([[0, 1]] * MAX_T)
+    out["capacity"] = _error_text(lambda: layer(x, to_rank0, w))
+    tokens = MAX_T + 1 if rank == 1 else MAX_T
+    out["too_many_tokens"] = _error_text(
+        lambda: layer(torch.randn(tokens, H), spread[:1].repeat(tokens, 1), torch.rand(tokens, K)))
+    wrong_counts = torch.bincount(spread.flatten(), minlength=E) + (1 if rank == 0 else 0)
+    out["tokens_per_expert"] = _error_text(lambda: layer(x, spread, w, tokens_per_expert=wrong_counts))
+    bad_ids = spread.clone()
+    if rank == 1:
+        bad_ids[0, 0] = E
+    out["id_range"] = _error_text(lambda: layer(x, bad_ids, w))
+    fine = layer(x, spread, w)  # the layer still works after all of that
+    out["after_errors"] = f"ok {tuple(fine.shape)}"
+    del fine  # its graph would hold the workspace and close() would (rightly) refuse
+    layer.close()
+    mismatched = _layer(world, swiglu_limit=None if rank == 0 else 3.0)
+    out["config_mismatch"] = _error_text(lambda: mismatched(x, spread, w))
+    return out
+
+
+def test_errors_are_raised_on_every_rank() -> None:
+    results = run_ranks(_failures_body, 2, timeout=60)
+    for rank, out in results.items():
+        assert out["capacity"].startswith("RuntimeError"), out["capacity"]
+        assert "needs 32 rows" in out["capacity"], out["capacity"]
+        assert "capacity is 16 rows" in out["capacity"], out["capacity"]
+        assert "expert_capacity_factor=1" in out["capacity"]
+        assert out["too_many_tokens"].startswith("ValueError") and "EP rank 1" in out["too_many_tokens"]
+        assert "exceed local_num_tokens=8" in out["too_many_tokens"], out["too_many_tokens"]
+        assert "EP rank 0: tokens_per_expert" in out["tokens_per_expert"], out["tokens_per_expert"]
+        assert "EP rank 1: topk_ids must lie in [0, 4)" in out["id_range"], out["id_range"]
+        assert out["after_errors"] == f"ok {(MAX_T, H)}", f"rank {rank}"
+        assert out["config_mismatch"] != "no error"
+        assert "3.0" in out["config_mismatch"], out["config_mismatch"]
+    assert results[0]["config_mismatch"] == results[1]["config_mismatch"]
+    assert results[0]["capacity"] == results[1]["capacity"]
