@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hyperpar.multicore import CollectiveError
+from hyperpar.multicore import CollectiveError, exchange
 from tests.multicore.fakes import FakeModule
 from tests.rank_harness import run_ranks
 
@@ -143,6 +143,8 @@ def _disagreement_body(rank: int, world: int) -> dict[str, Any]:
     busy.created[0].busy = False
     busy.close()
     out["busy_closed_on_retry"] = busy.created[0].closed
+    out["unpicklable"] = _catch(lambda: exchange((lambda: 0) if rank == last else 1))
+    out["after"] = tuple(exchange(rank))  # every rank is still in step
     return out
 
 
@@ -150,7 +152,7 @@ def _disagreement_body(rank: int, world: int) -> dict[str, Any]:
 def test_disagreements_raise_the_same_error_on_every_rank(world: int) -> None:
     results = run_ranks(_disagreement_body, world, timeout=TIMEOUT)
     last = world - 1
-    for key in ("spec", "order", "close_order", "type", "closed", "create", "busy"):
+    for key in ("spec", "order", "close_order", "type", "closed", "create", "busy", "unpicklable", "after"):
         assert len({out[key] for out in results.values()}) == 1, (key, results)
     out = results[0]
     assert out["spec"][2].startswith("stage 'bind': binding order or specifications differ across ranks: "
@@ -167,6 +169,9 @@ def test_disagreements_raise_the_same_error_on_every_rank(world: int) -> None:
     assert f"rank {last}: MemoryError: no room" in out["create"][2]
     assert all(r["peers_freed"] for r in results.values())
     assert f"not ready to close on rank {last}" in out["busy"][2] and out["busy_closed_on_retry"]
+    assert f"stage 'exchange' failed on 1 rank(s): rank {last}: " in out["unpicklable"][2]
+    assert "a function value cannot be exchanged" in out["unpicklable"][2]
+    assert out["after"] == tuple(range(world))
 
 
 def _uncaught_mismatch_body(rank: int, world: int) -> None:

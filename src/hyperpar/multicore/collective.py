@@ -8,6 +8,7 @@ runs its local work first and then exchanges the outcome, so that all ranks rais
 from __future__ import annotations
 
 import logging
+import pickle
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -38,12 +39,26 @@ def group_ranks(group: Any = None) -> list[int]:
 
 
 def exchange(value: Any, group: Any = None) -> list[Any]:
-    """Every rank's ``value`` in group-rank order; ``[value]`` without torch.distributed."""
+    """Every rank's ``value`` in group-rank order; ``[value]`` without torch.distributed.
+
+    The value is pickled before the collective, so one that cannot be pickled raises the same
+    CollectiveError on every rank instead of failing on this rank alone (which would leave the
+    peers waiting in ``all_gather_object``).
+    """
     if not is_distributed():
         return [value]
+    try:
+        payload: tuple[bool, Any] = (True, pickle.dumps(value))
+    except Exception as exc:
+        payload = (False, (type(exc).__name__,
+                           f"a {type(value).__name__} value cannot be exchanged (pickling failed: {exc})"))
     gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, value, group=group)
-    return gathered
+    dist.all_gather_object(gathered, payload, group=group)
+    ranks = group_ranks(group)
+    failures = {ranks[i]: item[1] for i, item in enumerate(gathered) if not item[0]}
+    if failures:
+        raise CollectiveError.create("exchange", failures)
+    return [pickle.loads(item[1]) for item in gathered]
 
 
 class CollectiveError(RuntimeError):
