@@ -1,15 +1,203 @@
-"""Placeholder until the duration- and bandwidth-aware planner lands."""
+"""The duration- and bandwidth-aware planner: hide transfers behind compute.
+
+It works on the step's wait-free timeline (op ``k`` starts at the sum of the durations
+before it) and knows what ``simulate`` will count:
+- a gap relieves op ``k`` only if the storage's D2H, issued right after its last write
+  before the gap, has finished before op ``k`` starts, and only until the op whose pre
+  list issues its H2D (in-flight copies count against the budget);
+- an H2D hides only if it is issued early enough to finish before its consumer.
+
+Each round: (1) take "hidden" gaps, whose copies fit in the compute window (H2D issued
+as late as still finishes in time: least memory, no wait), longest relief first, while
+some op in their relief is over budget; (2) if ops are still over, take "exposed" gaps
+or extend hidden ones, whose H2D is issued at the consumer (costs wait, buys memory);
+(3) lay the copies out on their lanes exactly (D2H in issue order as soon as possible,
+H2D as late as possible in deadline order) and recompute every relief. Rounds repeat
+while lane contention leaves ops over budget. Finally every H2D is pulled as early as
+the budget allows, which absorbs lane jitter and shortens exposed waits. What stays
+over budget is reported by ``simulate`` as the deficit.
+"""
 
 from __future__ import annotations
 
+import logging
+
+import numpy as np
+
 from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
-from hyperpar.offload.planning.greedy import GreedyPlanner
+from hyperpar.offload.planning.arrays import (
+    GapArrays,
+    TraceArrays,
+    gap_arrays,
+    resident_without_offload,
+    trace_arrays,
+)
+from hyperpar.offload.planning.covering import relieve, take_covering
+from hyperpar.offload.planning.emit import as_gaps, emit_schedule
+from hyperpar.offload.planning.gc_pause import gc_paused
+from hyperpar.offload.planning.prediction import attach_prediction
+from hyperpar.offload.planning.simulate import ms_per_byte
+
+logger = logging.getLogger(__name__)
 
 
 class TimedPlanner:
     name = "timed"
 
+    def __init__(self, max_rounds: int = 8) -> None:
+        if isinstance(max_rounds, bool) or not isinstance(max_rounds, int) or max_rounds < 1:
+            raise ValueError(f"max_rounds must be a positive int, got {max_rounds!r}")
+        self.max_rounds = max_rounds
+
     def build(self, trace: ActivationTrace) -> ResidencySchedule:
-        schedule = GreedyPlanner().build(trace)
-        schedule.planner = self.name
+        with gc_paused():
+            arrays = trace_arrays(trace)
+            plan = _TimedPlan(trace, arrays)
+            rounds = plan.run(self.max_rounds)
+            idx = np.flatnonzero(plan.taken)
+            g = plan.gaps
+            chosen = as_gaps(g.start[idx], g.end[idx], g.copy_op[idx], g.sid[idx], g.size[idx])
+            schedule = emit_schedule(trace, chosen, self.name, h2d_ops=plan.h2d_op[idx].tolist(),
+                                     arrays=arrays)
+            schedule.notes.update(
+                evicted_gaps=len(chosen), exposed_gaps=int(plan.pinned[idx].sum()), rounds=rounds
+            )
+            attach_prediction(trace, schedule, arrays)
         return schedule
+
+
+class _TimedPlan:
+    def __init__(self, trace: ActivationTrace, arr: TraceArrays) -> None:
+        self.budget = trace.memory_limit_bytes
+        self.n = arr.num_ops
+        self.base = resident_without_offload(arr)
+        dur = arr.duration_ms
+        self.op_end = np.cumsum(dur)
+        self.op_start = self.op_end - dur
+        g: GapArrays = gap_arrays(arr)
+        self.gaps = g
+        self.d2h_ms = g.size * ms_per_byte(trace.d2h_bandwidth_gbps)
+        self.h2d_ms = g.size * ms_per_byte(trace.h2d_bandwidth_gbps)
+        # each gap alone on the lanes
+        self.first_relieved = self._first_relieved(self.op_end[g.copy_op] + self.d2h_ms)
+        self.hidden_h2d_op = self._latest_issue_op(self.op_start[g.end] - self.h2d_ms)
+        count = len(g)
+        self.taken = np.zeros(count, dtype=bool)
+        self.pinned = np.zeros(count, dtype=bool)  # H2D issued at the consumer: exposed
+        self.h2d_op = g.end.copy()
+        self.resident = self.base.copy()
+
+    def _first_relieved(self, d2h_end: np.ndarray) -> np.ndarray:
+        """First op after the gap start that begins once the D2H is done."""
+        return np.maximum(self.gaps.start + 1, np.searchsorted(self.op_start, d2h_end, side="left"))
+
+    def _latest_issue_op(self, latest_start: np.ndarray, which: np.ndarray | None = None) -> np.ndarray:
+        """Last op whose pre list still issues the H2D by ``latest_start`` (clamped into the gap)."""
+        j = np.searchsorted(self.op_start, latest_start, side="right") - 1
+        start, end = self.gaps.start, self.gaps.end
+        if which is not None:
+            start, end = start[which], end[which]
+        return np.clip(j, start + 1, end)
+
+    def run(self, max_rounds: int) -> int:
+        if self.n == 0 or int(self.base.max()) <= self.budget:
+            return 0
+        rounds = 0
+        for rounds in range(1, max_rounds + 1):
+            if not self._select() and rounds > 1:
+                break
+            self._lay_out_lanes()
+            if int(self.resident.max()) <= self.budget:
+                break
+        self._pull_h2d_early()
+        return rounds
+
+    # --- selection ------------------------------------------------------------------
+    def _select(self) -> bool:
+        g, budget = self.gaps, self.budget
+        relief_lo = self.first_relieved
+        hidden_hi = self.hidden_h2d_op - 1
+        # (1) hidden gaps not yet taken: longest relief in time first, then largest
+        cand = np.flatnonzero(~self.taken & (hidden_hi >= relief_lo))
+        span = self.op_start[np.minimum(hidden_hi[cand] + 1, self.n - 1)] - self.op_start[relief_lo[cand]]
+        cand = cand[np.lexsort((g.sid[cand], g.start[cand], -g.size[cand], -span))]
+        got = cand[take_covering(self.resident, budget, relief_lo[cand], hidden_hi[cand], g.size[cand])]
+        self.taken[got] = True
+        self.h2d_op[got] = self.hidden_h2d_op[got]
+        self.resident = relieve(self.resident, relief_lo, hidden_hi, g.size, got)
+        took = len(got) > 0
+        if int(self.resident.max()) <= budget:
+            return took
+        # (2) exposed: new gaps relieved up to the consumer, or taken ones extended there
+        lo = np.where(self.taken, self.h2d_op, relief_lo)
+        hi = g.end - 1
+        cand = np.flatnonzero(~self.pinned & (hi >= lo))
+        span = self.op_start[g.end[cand]] - self.op_start[lo[cand]]
+        cand = cand[np.lexsort((g.sid[cand], g.start[cand], -g.size[cand], -span))]
+        got = cand[take_covering(self.resident, budget, lo[cand], hi[cand], g.size[cand])]
+        self.resident = relieve(self.resident, lo, hi, g.size, got)
+        self.taken[got] = True
+        self.pinned[got] = True
+        self.h2d_op[got] = g.end[got]
+        return took or len(got) > 0
+
+    # --- lanes ----------------------------------------------------------------------
+    def _lay_out_lanes(self) -> None:
+        """Exact D2H lane (ASAP, issue order) and H2D lane (ALAP by deadline); new reliefs."""
+        g = self.gaps
+        idx = np.flatnonzero(self.taken)
+        # one D2H per (storage, copy op): gaps sharing a current host copy share it
+        by_sid = idx[np.lexsort((g.start[idx], g.sid[idx]))]
+        sid, copy_op = g.sid[by_sid], g.copy_op[by_sid]
+        new_copy = np.ones(len(by_sid), dtype=bool)
+        new_copy[1:] = (sid[1:] != sid[:-1]) | (copy_op[1:] != copy_op[:-1])
+        copy_id = np.cumsum(new_copy) - 1
+        jobs = by_sid[new_copy]
+        lane_order = np.lexsort((g.sid[jobs], g.copy_op[jobs]))
+        ready = self.op_end[g.copy_op[jobs]][lane_order]
+        cost = np.cumsum(self.d2h_ms[jobs][lane_order])
+        # end_k = max over m <= k of (ready_m + cost_m..k): a max-plus prefix scan
+        ends_sorted = np.maximum.accumulate(ready - (cost - self.d2h_ms[jobs][lane_order])) + cost
+        job_end = np.empty(len(jobs))
+        job_end[lane_order] = ends_sorted
+        d2h_end = np.empty(len(by_sid))
+        d2h_end[:] = job_end[copy_id]
+        first = np.empty(len(g))
+        first[by_sid] = d2h_end
+        lo = self._first_relieved(np.where(self.taken, first, 0.0))
+        # H2D lane, latest start first from the last deadline back
+        hidden = idx[~self.pinned[idx]]
+        deadline = self.op_start[g.end[hidden]]
+        back = np.lexsort((-g.sid[hidden], -g.end[hidden]))
+        c = self.h2d_ms[hidden][back]
+        csum = np.cumsum(c)
+        start = np.minimum.accumulate(deadline[back] + (csum - c)) - csum
+        h2d_op = self.h2d_op.copy()
+        h2d_op[hidden[back]] = self._latest_issue_op(start, hidden[back])
+        self.h2d_op = np.where(self.taken, np.maximum(h2d_op, self.gaps.start + 1), self.gaps.end)
+        self.relief_lo = lo
+        self.resident = relieve(self.base, lo, self.h2d_op - 1, g.size, idx)
+
+    # --- prefetch placement ---------------------------------------------------------
+    def _pull_h2d_early(self) -> None:
+        """Issue each H2D as early as the budget allows, up to a copy's length ahead of need."""
+        g, budget = self.gaps, self.budget
+        idx = np.flatnonzero(self.taken)
+        if len(idx) == 0:
+            return
+        lo = getattr(self, "relief_lo", self.first_relieved)
+        resident = self.resident.copy()
+        # earliest useful issue: twice the copy's own time before the consumer
+        earliest = self._latest_issue_op(self.op_start[g.end] - 2.0 * self.h2d_ms)
+        for k in idx[np.argsort(g.end[idx], kind="stable")].tolist():
+            j = int(self.h2d_op[k])
+            stop = max(int(earliest[k]), int(lo[k]) + 1, int(g.start[k]) + 1)
+            if j <= stop:
+                continue
+            window = resident[stop:j] + int(g.size[k])
+            bad = np.flatnonzero(window > budget)
+            new_j = stop + (int(bad[-1]) + 1 if len(bad) else 0)
+            if new_j < j:
+                resident[new_j:j] += int(g.size[k])
+                self.h2d_op[k] = new_j
+        self.resident = resident
