@@ -21,9 +21,12 @@ class FakeResources:
         self.closed = False
         self.busy = False
         self.close_failures = close_failures
+        self.log: list[int] | None = None  # appended with `size` on every close() call
 
     def close(self) -> None:
         self.close_calls += 1
+        if self.log is not None:
+            self.log.append(self.size)
         if self.close_failures > 0:
             self.close_failures -= 1
             raise OSError(f"fake close failure (size {self.size})")

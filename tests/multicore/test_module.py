@@ -115,6 +115,8 @@ def test_shared_group_creates_once_for_every_member(manager: ResourceManager) ->
 
 
 def test_share_rejects_empty_and_duplicates(manager: ResourceManager) -> None:
+    with pytest.raises(TypeError, match="modules must be an iterable of modules, got FakeModule"):
+        FakeModule.share_execution_resources(FakeModule())
     with pytest.raises(ValueError, match="modules is empty"):
         FakeModule.share_execution_resources([])
     a = FakeModule()
@@ -319,3 +321,36 @@ def test_recycling_does_not_release_the_runtime(manager: ResourceManager) -> Non
     assert calls == [] and len(manager.bound_groups()) == 1
     new.close()
     assert calls == [1]
+
+
+def test_close_groups_closes_in_binding_order_and_keeps_failures_for_a_retry(
+        manager: ResourceManager) -> None:
+    modules = [FakeModule(size, close_failures=1 if size == 2 else 0) for size in (1, 2, 3)]
+    for module in modules:
+        module(torch.ones(1))
+    log: list[int] = []
+    for module in modules:
+        module.created[0].log = log
+    groups = [m._resource_group for m in reversed(modules)]
+    with pytest.raises(CollectiveError, match="close binding id 2' failed on 1 rank"):
+        manager.close_groups(groups)
+    assert log == [1, 2]  # binding-id order; stops at the failure
+    assert [g.binding_id for g in manager.bound_groups()] == [2, 3]
+    assert manager.bound_groups()[0].closing and modules[1]._resource_group.resources is not None
+    manager.close_groups(groups)
+    assert log == [1, 2, 2, 3] and manager.bound_groups() == []
+    assert all(m.execution_resources_closed for m in modules)
+    with pytest.raises(RuntimeError, match="were closed"):
+        modules[0](torch.ones(1))
+    for module in modules:
+        module.close()  # leaving a closed group is a local no-op
+
+
+def test_close_groups_checks_readiness_before_closing_anything(manager: ResourceManager) -> None:
+    a, b = FakeModule(1), FakeModule(2)
+    a(torch.ones(1))
+    b(torch.ones(1))
+    b.created[0].busy = True
+    with pytest.raises(CollectiveError, match=r"not ready to close .*rank 0: binding id\(s\) \[2\]"):
+        manager.close_groups([a._resource_group, b._resource_group])
+    assert a.created[0].close_calls == 0 and b.created[0].close_calls == 0

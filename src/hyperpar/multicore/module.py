@@ -154,7 +154,11 @@ class MulticoreModule(torch.nn.Module):
     def share_execution_resources(cls, modules: Iterable[MulticoreModule]) -> None:
         """Give serial modules one resource group, before any of them runs. Members keep their
         own parameters; only the execution resources are shared."""
-        members = list(modules)
+        try:
+            members = list(modules)
+        except TypeError as exc:
+            raise TypeError("share_execution_resources: modules must be an iterable of modules, got "
+                            f"{type(modules).__name__}") from exc
         if not members:
             raise ValueError("share_execution_resources: modules is empty")
         for index, module in enumerate(members):
