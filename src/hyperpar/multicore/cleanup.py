@@ -1,11 +1,14 @@
 """Automatic cleanup: before a dependency process group is destroyed, and at interpreter exit.
 
-Which torch entry point to hook: ``destroy_process_group`` is public and has the same shape
-from torch 2.6 to 2.13, while what it calls to tear a group down is not: older releases call
-``_shutdown_backend(pg)`` (NCCL only), newer ones ``ProcessGroup.shutdown()``, and by then the
-group may already be half torn down. So we wrap ``destroy_process_group`` itself (the name in
-``torch.distributed`` and in ``torch.distributed.distributed_c10d``): our collective close runs
-while the group is still fully usable, on every rank that calls it. Code that imported the
+Which torch entry point to hook: ``destroy_process_group(group=None)`` is public and has the
+same shape from torch 2.6 to 2.13, while what it calls to tear a group down is not: 2.6 calls
+the private ``_shutdown_backend(pg)`` (which only acts on NCCL backends), later releases
+(2.13 here) call ``ProcessGroup.shutdown()``, and at that point ``comm.finalize()`` may already
+have run for the world. A hook on either would be version-specific and would run with the group
+half torn down. So we wrap ``destroy_process_group`` itself, under both of its names
+(``torch.distributed`` and ``torch.distributed.distributed_c10d``): our collective close runs
+first, while the group is fully usable, on every rank that calls it, and only for the groups
+whose root is the one being destroyed (all of them for the world). Code that imported the
 function by name before our first binding keeps the unwrapped one; ``atexit`` still covers it.
 """
 
