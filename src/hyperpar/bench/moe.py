@@ -110,7 +110,8 @@ def _rank_main(rank: int, world: int, port: int, size: dict[str, int], queue: An
 
 
 def _measure(rank: int, world: int, size: dict[str, int]) -> dict[str, Any]:
-    tokens, hidden, inter, experts, top_k = (size[k] for k in ("tokens", "hidden", "inter", "experts", "top_k"))
+    tokens, hidden, inter = size["tokens"], size["hidden"], size["inter"]
+    experts, top_k = size["experts"], size["top_k"]
     torch.manual_seed(0)
     layers = {chunks: MoeExperts(local_num_tokens=tokens, hidden_size=hidden, intermediate_size=inter,
                                  num_experts=experts, top_k=top_k, ep_size=world, overlap_chunks=chunks)
@@ -197,7 +198,8 @@ def run(args: argparse.Namespace) -> int:
     if failed:
         print(f"moe benchmark failed: {failed}", file=sys.stderr)
         return 1
-    ms = {n: max(results[r]["fwd_bwd_ms_median"][n] for r in results) for n in results[0]["fwd_bwd_ms_median"]}
+    ms = {n: max(results[r]["fwd_bwd_ms_median"][n] for r in results)
+          for n in results[0]["fwd_bwd_ms_median"]}
     best_chunks = min((n for n in ms if n.startswith("chunks")), key=ms.__getitem__)
     summary = {
         "moe_over_naive": ms["chunks=1"] / ms["naive"],
