@@ -3,12 +3,14 @@
 from hyperpar.multicore.collective import CollectiveError, collective_call, exchange
 from hyperpar.multicore.manager import MANAGER, ResourceManager, close_groups, register_runtime_release
 from hyperpar.multicore.module import MulticoreModule
+from hyperpar.multicore.moe import MoeExperts
 from hyperpar.multicore.resources import ExecutionResources, ResourceGroup
 
 __all__ = [
     "MANAGER",
     "CollectiveError",
     "ExecutionResources",
+    "MoeExperts",
     "MulticoreModule",
     "ResourceGroup",
     "ResourceManager",
