@@ -67,6 +67,12 @@ def test_models_bitwise_equal_at_every_budget(case: Case) -> None:
     run_equality(case)
 
 
+def test_gpt_bitwise_equal_with_the_timed_planner() -> None:
+    torch.set_num_threads(1)
+    reports = run_equality(_gpt_case(), fractions=(0.5, 0.0), planner="timed")
+    assert all(r.predicted_step_ms is not None for r in reports[0.5][1:])
+
+
 def test_gpt_peak_within_budget_at_half_of_peak() -> None:
     torch.set_num_threads(1)
     case = _gpt_case(batch=16)  # activations, not the retained gradients, dominate the peak

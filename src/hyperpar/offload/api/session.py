@@ -127,8 +127,12 @@ class OffloadSession:
             self._program = ReplayProgram.build(trace, schedule, executor.keys)
             self.trace, self.schedule = trace, schedule
             self.phase = "replay"
-        elif isinstance(executor, ReplayExecutor) and report.diverged_at is not None:
-            self.phase = "warmup"  # re-trace at the next entry
+        elif isinstance(executor, ReplayExecutor):
+            predicted = self.schedule.notes.get("predicted_step_ms") if self.schedule else None
+            if isinstance(predicted, (int, float)) and not isinstance(predicted, bool):
+                report.predicted_step_ms = float(predicted)
+            if report.diverged_at is not None:
+                self.phase = "warmup"  # re-trace at the next entry
         self.last_report = report
 
     def _reset_active(self) -> None:
