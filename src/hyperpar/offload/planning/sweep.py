@@ -1,0 +1,84 @@
+"""Plan one trace at many budgets: the memory-vs-overhead curve of each planner."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+
+from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
+from hyperpar.offload.planning import prediction
+from hyperpar.offload.planning.registry import get_planner
+from hyperpar.offload.planning.simulate import SimResult, simulate
+
+
+@dataclass(frozen=True)
+class PlanPoint:
+    planner: str
+    budget_bytes: int
+    budget_fraction: float  # of the peak without offload
+    predicted_peak_bytes: int
+    deficit_bytes: int
+    predicted_step_ms: float
+    compute_ms: float
+    overhead: float  # predicted step / compute - 1
+    exposed_wait_ms: float
+    bytes_d2h: int
+    bytes_h2d: int
+    plan_seconds: float
+
+    def as_dict(self) -> dict[str, float | int | str]:
+        return asdict(self)
+
+
+def with_budget(trace: ActivationTrace, budget_bytes: int) -> ActivationTrace:
+    """A shallow copy of ``trace`` with another budget (ops and sizes are shared)."""
+    out = copy.copy(trace)
+    out.memory_limit_bytes = int(budget_bytes)
+    return out
+
+
+def plan_point(trace: ActivationTrace, planner: str) -> tuple[PlanPoint, ResidencySchedule, SimResult]:
+    started = time.perf_counter()
+    schedule = get_planner(planner).build(trace)
+    seconds = time.perf_counter() - started
+    sim = simulate(trace, schedule)
+    peak = trace.peak_bytes_without_offload()
+    point = PlanPoint(
+        planner=planner,
+        budget_bytes=trace.memory_limit_bytes,
+        budget_fraction=trace.memory_limit_bytes / peak if peak else 1.0,
+        predicted_peak_bytes=sim.peak_resident_bytes,
+        deficit_bytes=schedule.deficit_bytes,
+        predicted_step_ms=sim.predicted_step_ms,
+        compute_ms=sim.compute_ms,
+        overhead=sim.overhead,
+        exposed_wait_ms=sim.exposed_wait_ms,
+        bytes_d2h=sim.bytes_d2h,
+        bytes_h2d=sim.bytes_h2d,
+        plan_seconds=seconds,
+    )
+    return point, schedule, sim
+
+
+def sweep(
+    trace: ActivationTrace,
+    planners: Sequence[str],
+    fractions: Iterable[float],
+    progress: Callable[[Iterable], Iterable] = lambda it: it,
+) -> list[PlanPoint]:
+    """Budgets below what the trace allows are part of a sweep: their deficit warnings are muted."""
+    peak = trace.peak_bytes_without_offload()
+    jobs = [(f, p) for f in fractions for p in planners]
+    points = []
+    deficit_log = logging.getLogger(prediction.__name__)
+    level = deficit_log.level
+    deficit_log.setLevel(logging.ERROR)
+    try:
+        for fraction, planner in progress(jobs):
+            points.append(plan_point(with_budget(trace, int(peak * fraction)), planner)[0])
+    finally:
+        deficit_log.setLevel(level)
+    return points

@@ -1,0 +1,57 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hyperpar.cli import main
+from hyperpar.offload.planning.synthetic import synthetic_trace
+
+
+@pytest.fixture(scope="module")
+def trace_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("trace") / "trace.json"
+    synthetic_trace(400, d2h_gbps=25.0, h2d_gbps=25.0).save(path)
+    return path
+
+
+def test_plans_prints_the_table_and_draws(trace_file: Path, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", str(trace_file), "--budget-mb", "900", "--planner", "greedy",
+                 "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "peak without offload" in out
+    row = next(line for line in out.splitlines() if line.strip().startswith("greedy"))
+    assert "900.0" in row
+    for name in ("resident.png", "lanes.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sweep_covers_both_planners(
+    trace_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["plan", str(trace_file), "--sweep", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.strip().endswith("MiB") and "%" in line]
+    assert [r[0] for r in rows] == [f"{p}%" for p in range(10, 101, 10)]
+    # at 100 % nothing moves: no overhead for either planner
+    assert rows[-1][1:3] == ["0.0%", "0.0%"]
+    assert (tmp_path / "sweep.png").stat().st_size > 1000
+
+
+def test_missing_trace_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", str(tmp_path / "nope.json")]) == 2
+    assert "nope.json' does not exist" in capsys.readouterr().err
+
+
+def test_corrupt_trace_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "hyperpar.trace", "version": 1, "ops": 3}')
+    assert main(["plan", str(bad)]) == 2
+    assert "is not a hyperpar trace" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "lots"])
+def test_bad_budget(trace_file: Path, value: str) -> None:
+    with pytest.raises(SystemExit, match=f"--budget-mb .*'{value}'"):
+        main(["plan", str(trace_file), "--budget-mb", value])
