@@ -1,0 +1,18 @@
+"""The pieces of ``hyperpar demo``: training runs, the rank launcher, the table and the plot.
+
+Library code (it logs, never prints); the command in :mod:`hyperpar.commands.demo` prints.
+"""
+
+from hyperpar.demo.dense import DemoSpec, measure_activation_peak, train_dense
+from hyperpar.demo.moe_ranks import MoeRunError, run_moe_ranks
+from hyperpar.demo.results import DemoResult, RunResult
+
+__all__ = [
+    "DemoResult",
+    "DemoSpec",
+    "MoeRunError",
+    "RunResult",
+    "measure_activation_peak",
+    "run_moe_ranks",
+    "train_dense",
+]
