@@ -1,0 +1,142 @@
+"""Random small models built from a list of instructions, for offload equality fuzzing.
+
+A program is a list of ``Instr`` drawn by hypothesis; ``RandomProgram`` interprets it on a
+pool of ``[B, D]`` tensors that starts with the step's input. Each instruction reads pool
+entries (indices taken modulo the pool size) and appends its results, so any instruction
+sequence is a valid model. The kinds cover what capture has to get right: elementwise ops,
+reductions broadcast back, matmuls with parameters and between activations, views that share
+storage, tuple outputs, tensor lists in and out, in-place writes (on fresh tensors, on
+no-grad tensors, and anywhere, which autograd may reject in both runs alike), dropout (the
+RNG stream must match) and opaque ``skip_offload`` regions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from hypothesis import strategies as st
+from torch import nn
+from torch.nn import functional as F
+
+from hyperpar.offload import skip_offload
+
+B, D = 4, 8
+KINDS = (
+    "unary", "binary", "linear", "pair_matmul", "reduce", "max_tuple", "var_mean", "view_t",
+    "view_expand", "split_cat", "stack", "foreach", "inplace_fresh", "inplace_nograd", "inplace_any",
+    "dropout", "opaque", "opaque_nograd",
+)
+UNARY = (torch.sin, torch.tanh, torch.relu, torch.sigmoid, torch.neg, lambda t: t * 0.5)
+
+
+@dataclass(frozen=True)
+class Instr:
+    kind: str
+    a: int
+    b: int
+    c: int
+    variant: int
+
+    def __repr__(self) -> str:  # short, so that a falsifying example is easy to paste as a test
+        return f"Instr({self.kind!r}, {self.a}, {self.b}, {self.c}, {self.variant})"
+
+
+instructions = st.builds(Instr, st.sampled_from(KINDS), st.integers(0, 63), st.integers(0, 63),
+                         st.integers(0, 63), st.integers(0, 5))
+programs = st.lists(instructions, min_size=1, max_size=14)
+
+
+def _region(u: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs untraced inside a session: several ops, two outputs (one a view)."""
+    h = torch.tanh(u * 1.5 + v)
+    return h * v.sigmoid(), h.t().t()
+
+
+opaque_region = skip_offload(_region)
+
+
+class RandomProgram(nn.Module):
+    def __init__(self, program: list[Instr]) -> None:
+        super().__init__()
+        self.program = list(program)
+        self.weights = nn.Parameter(torch.randn(3, D, D) / math.sqrt(D))
+        self.bias = nn.Parameter(torch.randn(D) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pool: list[torch.Tensor] = [x, x * self.bias]
+        for ins in self.program:
+            pool.extend(self._run(ins, pool))
+        loss = pool[0].new_zeros(())
+        for i, t in enumerate(pool):
+            loss = loss + t.sum() / (i + 1)
+        return loss
+
+    def _run(self, ins: Instr, pool: list[torch.Tensor]) -> list[torch.Tensor]:
+        n = len(pool)
+        a, b, c, v = pool[ins.a % n], pool[ins.b % n], pool[ins.c % n], ins.variant
+        kind = ins.kind
+        if kind == "unary":
+            return [UNARY[v % len(UNARY)](a)]
+        if kind == "binary":
+            ops = (torch.add, torch.mul, torch.sub, torch.maximum)
+            return [ops[v % len(ops)](a, b)]
+        if kind == "linear":
+            w = self.weights[v % 3]
+            return [F.linear(a, w, self.bias) if v % 2 else torch.tanh(a @ w)]
+        if kind == "pair_matmul":
+            return [(a @ b.t()) @ c / (B * D)]
+        if kind == "reduce":
+            r = a.sum(dim=1, keepdim=True) if v % 2 else a.mean(dim=0, keepdim=True)
+            return [b + 0.1 * r]
+        if kind == "max_tuple":
+            values, indices = torch.max(a, dim=1, keepdim=True)
+            return [b + values, b.gather(1, indices.expand(B, D))]
+        if kind == "var_mean":
+            var, mean = torch.var_mean(a, dim=0, keepdim=True)
+            return [(b - mean) * torch.rsqrt(var + 1.0)]
+        if kind == "view_t":
+            return [a.reshape(D, B).t()]  # non-contiguous view of a's storage
+        if kind == "view_expand":
+            return [a[v % B:v % B + 1].expand(B, D)]
+        if kind == "split_cat":
+            left, right = torch.split(a, D // 2, dim=1)
+            return [torch.cat([right, left * 2.0], dim=1), left.repeat(1, 2)]
+        if kind == "stack":
+            return [torch.stack([a, b, c]).sum(0)]
+        if kind == "foreach":
+            return list(torch._foreach_mul([a, b], 0.5))
+        if kind == "inplace_fresh":
+            y = a * 1.0
+            if v % 3 == 0:
+                y.add_(b)
+            elif v % 3 == 1:
+                y.mul_(0.5).relu_()
+            else:
+                y[:, : D // 2].copy_(c[:, : D // 2])
+            return [y]
+        if kind == "inplace_nograd":
+            with torch.no_grad():
+                y = a * 2.0
+            y.add_(1.0)  # later read again: a stale host copy would show here
+            return [y, y * b]
+        if kind == "inplace_any":
+            # May be rejected by autograd (a saved tensor modified): the same in both runs.
+            if v % 2:
+                a.mul_(0.75)
+            else:
+                a.add_(b)
+            return [a]
+        if kind == "dropout":
+            return [F.dropout(a, p=0.3, training=True)]
+        if kind == "opaque":
+            # Inputs private to the region: see test_opaque_input_shared_outside_the_region.
+            return list(opaque_region(a * 1.0, b * 1.0))
+        if kind == "opaque_shared":  # not in KINDS: a known gradient-order difference
+            return list(opaque_region(a, b))
+        if kind == "opaque_nograd":
+            with torch.no_grad():
+                u, w = opaque_region(a * 1.0, b * 1.0)
+            return [u + b, w]
+        raise AssertionError(kind)
