@@ -27,8 +27,13 @@ import torch.nn.functional as F
 
 from hyperpar.multicore.moe import MoeExperts, set_grouped_mm_enabled
 
-FULL = dict(tokens=512, hidden=512, inter=512, experts=8, top_k=2, steps=12)
-QUICK = dict(tokens=64, hidden=64, inter=64, experts=4, top_k=2, steps=4)
+# Two realistic small shapes: fine-grained experts as in current MoE models (many small
+# experts, larger top-k; the headline) and a coarse Mixtral-like layer (few big experts).
+SIZES = {
+    "fine_grained": dict(tokens=512, hidden=512, inter=256, experts=32, top_k=4, steps=8),
+    "coarse": dict(tokens=512, hidden=512, inter=512, experts=8, top_k=2, steps=8),
+}
+QUICK = {"quick": dict(tokens=64, hidden=64, inter=64, experts=4, top_k=2, steps=4)}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,13 +100,13 @@ def _grouped_vs_loop(dtype: torch.dtype, size: dict[str, int]) -> dict[str, floa
     return {"grouped_ms": grouped * 1e3, "loop_ms": loop * 1e3, "grouped_over_loop": grouped / loop}
 
 
-def _rank_main(rank: int, world: int, port: int, size: dict[str, int], queue: Any) -> None:
+def _rank_main(rank: int, world: int, port: int, sizes: dict[str, dict[str, int]], queue: Any) -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)  # the baseline's autograd all-to-all
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        queue.put((rank, _measure(rank, world, size)))
+        queue.put((rank, {name: _measure(rank, world, size) for name, size in sizes.items()}))
     except Exception as exc:
         queue.put((rank, f"{type(exc).__name__}: {exc}"))
         raise
@@ -172,22 +177,38 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _summarise(results: dict[int, Any]) -> dict[str, Any]:
+    ms = {n: max(results[r]["fwd_bwd_ms_median"][n] for r in results)
+          for n in results[0]["fwd_bwd_ms_median"]}
+    best_chunks = min((n for n in ms if n.startswith("chunks")), key=ms.__getitem__)
+    return {
+        "fwd_bwd_ms_median_slowest_rank": ms,
+        "moe_over_naive": ms["chunks=1"] / ms["naive"],
+        "goal_moe_over_naive": 0.75,
+        "chunks2_over_chunks1": ms["chunks=2"] / ms["chunks=1"],
+        "chunks4_over_chunks1": ms["chunks=4"] / ms["chunks=1"],
+        "best_overlap_chunks": int(best_chunks.split("=")[1]),
+        "workspace_bytes_shared": results[0]["workspace_bytes_shared"],
+    }
+
+
 def run(args: argparse.Namespace) -> int:
-    size = dict(QUICK if args.quick else FULL)
-    if args.steps is not None:
-        size["steps"] = args.steps
+    sizes = {name: dict(size) for name, size in (QUICK if args.quick else SIZES).items()}
+    for size in sizes.values():
+        if args.steps is not None:
+            size["steps"] = args.steps
     world = 2
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, size, queue), daemon=True)
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, sizes, queue), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
     try:
         while len(results) < world:
-            rank, payload = queue.get(timeout=600)
+            rank, payload = queue.get(timeout=900)
             results[rank] = payload
     finally:
         for p in procs:
@@ -198,39 +219,33 @@ def run(args: argparse.Namespace) -> int:
     if failed:
         print(f"moe benchmark failed: {failed}", file=sys.stderr)
         return 1
-    ms = {n: max(results[r]["fwd_bwd_ms_median"][n] for r in results)
-          for n in results[0]["fwd_bwd_ms_median"]}
-    best_chunks = min((n for n in ms if n.startswith("chunks")), key=ms.__getitem__)
-    summary = {
-        "moe_over_naive": ms["chunks=1"] / ms["naive"],
-        "best_moe_over_naive": ms[best_chunks] / ms["naive"],
-        "goal_moe_over_naive": 0.75,
-        "chunks2_over_chunks1": ms["chunks=2"] / ms["chunks=1"],
-        "chunks4_over_chunks1": ms["chunks=4"] / ms["chunks=1"],
-        "best_overlap_chunks": int(best_chunks.split("=")[1]),
-    }
+    summaries = {name: _summarise({r: results[r][name] for r in results}) for name in sizes}
+    first = next(iter(sizes))
     report = {
         "benchmark": "moe",
-        "command": " ".join(["hyperpar", *sys.argv[1:]]) if sys.argv else "hyperpar bench moe",
+        "command": " ".join(["hyperpar", *sys.argv[1:]]),
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                    "cpus": os.cpu_count(), "python": platform.python_version()},
+                    "cpus": os.cpu_count(), "python": platform.python_version(),
+                    "load_average_1min": os.getloadavg()[0]},
         "torch": torch.__version__,
-        "ranks": world, "backend": "gloo", "size": size,
-        "summary": summary,
-        "fwd_bwd_ms_median_slowest_rank": ms,
+        "ranks": world, "backend": "gloo", "sizes": sizes,
+        "summary": summaries,
+        "grouped_mm_vs_loop": results[0][first]["grouped_mm_vs_loop"],
         "per_rank": results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"MoE fwd+bwd on {world} gloo ranks, T={size['tokens']} H={size['hidden']} I={size['inter']} "
-          f"E={size['experts']} K={size['top_k']} (median ms, slowest rank):")
-    for name, value in ms.items():
-        print(f"  {name:9s} {value:8.2f} ms")
-    print(f"  MoeExperts/naive = {summary['moe_over_naive']:.2f} (goal <= 0.75); "
-          f"chunks=2/chunks=1 = {summary['chunks2_over_chunks1']:.2f}; "
-          f"chunks=4/chunks=1 = {summary['chunks4_over_chunks1']:.2f}")
-    print(f"  workspace bytes, shared layers: {results[0]['workspace_bytes_shared']}")
-    for dtype, g in results[0]["grouped_mm_vs_loop"].items():
-        print(f"  grouped_mm/loop {dtype}: {g['grouped_over_loop']:.2f}")
+    for name, size in sizes.items():
+        summary = summaries[name]
+        print(f"MoE fwd+bwd, {name}: 2 gloo ranks, T={size['tokens']} H={size['hidden']} I={size['inter']} "
+              f"E={size['experts']} K={size['top_k']} (median ms, slowest rank)")
+        for variant, value in summary["fwd_bwd_ms_median_slowest_rank"].items():
+            print(f"  {variant:9s} {value:8.2f} ms")
+        print(f"  MoeExperts/naive = {summary['moe_over_naive']:.2f} (goal <= 0.75); "
+              f"chunks=2/chunks=1 = {summary['chunks2_over_chunks1']:.2f}; "
+              f"chunks=4/chunks=1 = {summary['chunks4_over_chunks1']:.2f}")
+        print(f"  workspace bytes, shared layers: {summary['workspace_bytes_shared']}")
+    for dtype, g in report["grouped_mm_vs_loop"].items():
+        print(f"grouped_mm/loop of mm, {dtype}: {g['grouped_over_loop']:.2f}")
     print(f"wrote {args.out}")
     return 0
