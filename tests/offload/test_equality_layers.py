@@ -95,6 +95,18 @@ class Opaque(nn.Module):
         return self.out(_branchy(self.fc(x).tanh(), self.w)).square().sum()
 
 
+class OpaqueModule(nn.Module):
+    """A whole sub-module as the region, fed a tensor that does not require grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = skip_offload(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(x).sigmoid())
+
+
 class Checkpointed(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -160,6 +172,7 @@ CASES = [
     Case("tuples", Tuples, _x(16, 16)),
     Case("tensor_lists", Lists, _x(16, 16)),
     Case("skip_offload_branchy", Opaque, _x(16, 16)),
+    Case("skip_offload_module", OpaqueModule, _x(16, 16)),
     Case("checkpoint", Checkpointed, _x(16, 16)),
 ]
 

@@ -41,6 +41,7 @@ def test_phases_trace_schedule_and_active_session() -> None:
     assert session.phase == "warmup" and session.trace is None and session.schedule is None
     assert OffloadSession.get_active() is None
     model = _mlp()
+    model.zero_grad(set_to_none=True)
     with session as entered:
         assert entered is session and OffloadSession.get_active() is session
         model(_x()).sum().backward()
@@ -48,9 +49,14 @@ def test_phases_trace_schedule_and_active_session() -> None:
     assert session.phase == "replay" and session.last_report.phase == "warmup"
     assert session.trace is not None and session.schedule is not None
     assert session.schedule.num_ops == session.trace.num_ops == session.last_report.op_count
-    with session:
-        model(_x()).sum().backward()
-    assert session.last_report.phase == "replay" and session.last_report.bytes_d2h > 0
+    held = []
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)  # else the step differs: grads accumulate with add_
+        with session:
+            model(_x()).sum().backward()
+        assert session.last_report.phase == "replay" and session.last_report.bytes_d2h > 0
+        held.append(session.held_bytes())
+    assert held[0] > 0 and held == [held[0]] * 3  # host slabs are reused, not re-allocated
 
 
 def test_reentry_and_nesting_are_errors() -> None:
@@ -257,3 +263,17 @@ def test_host_pool_cap_keeps_storages_on_device_and_counts_it() -> None:
         assert _equal(_grads(model, _x(), session), _grads(reference, _x()))
         assert session.last_report.offload_cap_hits > 0
         assert session.last_report.bytes_d2h == 0
+
+
+def test_gradient_accumulation_without_zero_grad_stays_correct() -> None:
+    """Step 1 creates the grads, later steps add_ into them: a different op sequence once."""
+    model, reference = _mlp(), _mlp()
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=0))
+    phases = []
+    for step in range(5):
+        with session:
+            model(_x(seed=step)).square().sum().backward()
+        reference(_x(seed=step)).square().sum().backward()
+        phases.append(session.last_report.phase)
+        assert _equal([p.grad for p in model.parameters()], [p.grad for p in reference.parameters()])
+    assert phases == ["warmup", "replay", "warmup", "replay", "replay"]
