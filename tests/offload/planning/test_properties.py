@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hyperpar.offload.planning import get_planner
-from hyperpar.offload.planning.bounds import min_feasible_budget, min_resident_bytes
+from hyperpar.offload.planning.bounds import min_feasible_budget, min_resident_bytes, min_resident_bytes_timed
 from hyperpar.offload.planning.simulate import simulate
 from hyperpar.offload.planning.verify import verify
 from tests.offload.planning.random_traces import random_trace
@@ -21,11 +21,14 @@ PLANNERS = ("greedy", "timed")
 def test_every_planner_is_safe_and_honest(rng: random.Random) -> None:
     trace = random_trace(rng)
     floor = min_resident_bytes(trace)
+    timed_floor = min_resident_bytes_timed(trace)
     for name in PLANNERS:
         schedule = get_planner(name).build(trace)
         verify(trace, schedule)
         sim = simulate(trace, schedule)
         assert all(r >= f for r, f in zip(sim.resident_bytes, floor, strict=True))
+        if sim.exposed_wait_ms == 0.0:  # the timed floor holds on the wait-free timeline
+            assert all(r >= f for r, f in zip(sim.resident_bytes, timed_floor, strict=True))
         assert schedule.predicted_peak_bytes == sim.peak_resident_bytes
         over = sim.peak_resident_bytes - trace.memory_limit_bytes
         assert schedule.deficit_bytes == max(0, over)

@@ -34,3 +34,102 @@ def min_resident_bytes(trace: ActivationTrace) -> list[int]:
 
 def min_feasible_budget(trace: ActivationTrace) -> int:
     return max(min_resident_bytes(trace), default=0)
+
+
+
+def min_resident_bytes_timed(trace: ActivationTrace) -> list[int]:
+    """The floor when copies take time, on the wait-free timeline (op k starts at the sum of
+    the durations before it).
+
+    A storage is off the device at op ``k`` only once its D2H has finished, and that copy
+    cannot start before the storage's last write preceding ``k``. One D2H lane moves at
+    most ``bytes ready before t + bandwidth * (start_k - t)`` by ``start_k``, for every
+    ``t``; whatever of the movable bytes at ``k`` exceeds that must still be resident. (A
+    schedule that makes compute wait gives its copies more time; it pays in wait.)
+    """
+    import numpy as np
+
+    from hyperpar.offload.planning.arrays import gap_arrays, resident_without_offload, trace_arrays
+    from hyperpar.offload.planning.simulate import ms_per_byte
+
+    floor = min_resident_bytes(trace)
+    cost = ms_per_byte(trace.d2h_bandwidth_gbps)
+    arr = trace_arrays(trace)
+    if arr.num_ops == 0 or cost == 0.0:
+        return floor
+    base = resident_without_offload(arr)
+    end_ms = np.cumsum(arr.duration_ms)
+    start_ms = end_ms - arr.duration_ms
+    gaps = gap_arrays(arr)
+    ready_all = end_ms[gaps.copy_op]
+    out = list(floor)
+    for k in np.flatnonzero(base > np.asarray(floor)).tolist():
+        inside = (gaps.start < k) & (gaps.end > k)
+        ready, sizes = ready_all[inside], gaps.size[inside]
+        order = np.argsort(ready, kind="stable")
+        ready, sizes = ready[order], sizes[order]
+        before = np.cumsum(sizes) - sizes  # bytes ready strictly before each entry (ties: upper bound)
+        t_now = start_ms[k]
+        usable = ready < t_now
+        capacity = min(float(sizes[usable].sum()), t_now / cost)
+        if usable.any():
+            capacity = min(capacity, float((before[usable] + (t_now - ready[usable]) / cost).min()))
+        movable = int(base[k]) - floor[k]
+        out[k] = floor[k] + max(0, movable - int(capacity))
+    return out
+
+
+def min_feasible_budget_timed(trace: ActivationTrace) -> int:
+    return max(min_resident_bytes_timed(trace), default=0)
+
+
+def exposed_wait_lower_bound(trace: ActivationTrace) -> float:
+    """Least exposed wait (ms) of any schedule that keeps every op within the budget.
+
+    At an op ``k`` over budget without offload, at least ``X = resident - budget`` bytes of
+    storages that live across ``k`` must be off the device while ``k`` runs, so their H2D
+    copies start after ``k`` ends. A schedule picks which; at best those read last. Of
+    whatever it picks, at least ``X - (bytes read after op m)`` must be back before op
+    ``m`` starts, through one H2D lane: if that takes longer than the compute between
+    the end of ``k`` and the start of ``m``, compute waits for the difference. Waits of
+    disjoint windows ``(k, m]`` add up; the bound is the best sum over disjoint windows
+    (a small dynamic program). It ignores D2H, lane sharing across windows and sizes
+    that do not split, so it can only be lower than the truth. Ops whose excess cannot
+    be moved at all are skipped (no schedule meets the budget there).
+    """
+    import numpy as np
+
+    from hyperpar.offload.planning.arrays import gap_arrays, resident_without_offload, trace_arrays
+    from hyperpar.offload.planning.simulate import ms_per_byte
+
+    cost = ms_per_byte(trace.h2d_bandwidth_gbps)
+    arr = trace_arrays(trace)
+    n = arr.num_ops
+    if n == 0 or cost == 0.0:
+        return 0.0
+    excess = resident_without_offload(arr) - trace.memory_limit_bytes
+    end_ms = np.cumsum(arr.duration_ms)
+    start_ms = end_ms - arr.duration_ms
+    gaps = gap_arrays(arr)
+    windows: dict[int, list[tuple[int, float]]] = {}
+    for k in np.flatnonzero(excess > 0).tolist():
+        inside = (gaps.start < k) & (gaps.end > k)
+        sizes, reads = gaps.size[inside], gaps.end[inside]
+        need = int(excess[k])
+        if int(sizes.sum()) < need:
+            continue
+        for m in np.unique(reads).tolist():
+            at_or_after = int(sizes[reads > m].sum())
+            must = need - at_or_after
+            if must <= 0:
+                continue
+            wait = must * cost - (start_ms[m] - end_ms[k])
+            if wait > 0:
+                windows.setdefault(m, []).append((k, float(wait)))
+    best = [0.0] * (n + 1)  # best[i]: windows within ops < i
+    for i in range(n):
+        value = best[i]
+        for k, wait in windows.get(i, ()):
+            value = max(value, best[k + 1] + wait)
+        best[i + 1] = max(best[i], value)
+    return best[n]

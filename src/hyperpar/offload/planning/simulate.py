@@ -83,70 +83,87 @@ def _simulate(trace: ActivationTrace, schedule: ResidencySchedule, arr: TraceArr
     left: dict[int, float] = {}  # sid -> end of its latest D2H
     # sid -> first op its current device allocation counts at (the first access allocates)
     open_from: dict[int, int] = dict(zip(arr.sids.tolist(), arr.first_op.tolist(), strict=True))
-    # only storages that are ever copied can make an op wait
-    moved = sorted({a.storage_id for acts in schedule.pre + schedule.post for a in acts
-                    if a.kind is Act.COPY_D2H or a.kind is Act.COPY_H2D})
-    pick = np.flatnonzero(np.isin(arr.access_sid, np.asarray(moved, dtype=np.int64)))
-    waits_on: dict[int, list[tuple[int, bool]]] = {}
-    for op, sid, write in zip(arr.access_op[pick].tolist(), arr.access_sid[pick].tolist(),
-                              arr.access_write[pick].tolist(), strict=True):
-        waits_on.setdefault(op, []).append((sid, write))
-    durations = arr.duration_ms.tolist()
     # (first op, last op before any D2H extension, D2H end, size)
     spans: list[tuple[int, int, float, int]] = []
     d2h_lane: list[LaneSpan] = []
     h2d_lane: list[LaneSpan] = []
     d2h_free = h2d_free = 0.0
     bytes_d2h = bytes_h2d = 0
+    pre, post = schedule.pre, schedule.post
+    copy_d2h, copy_h2d, release = Act.COPY_D2H, Act.COPY_H2D, Act.RELEASE_DEVICE
+    # only storages that are ever copied can make an op wait
+    moved = {a.storage_id for acts in (*pre, *post) if acts for a in acts
+             if a.kind is copy_d2h or a.kind is copy_h2d}
+    waits_on: dict[int, list[tuple[int, bool]]] = {}
+    if moved:
+        pick = np.flatnonzero(np.isin(arr.access_sid, np.fromiter(moved, dtype=np.int64, count=len(moved))))
+        for op, sid, write in zip(arr.access_op[pick].tolist(), arr.access_sid[pick].tolist(),
+                                  arr.access_write[pick].tolist(), strict=True):
+            waits_on.setdefault(op, []).append((sid, write))
+    durations = arr.duration_ms.tolist()
     starts: list[float] = [0.0] * n
     ends: list[float] = [0.0] * n
     waits: list[float] = [0.0] * n
     clock = 0.0
-    pre, post = schedule.pre, schedule.post
-
-    def run(actions: list, now: float, counts_from: int) -> None:
-        nonlocal d2h_free, h2d_free, bytes_d2h, bytes_h2d
-        for action in actions:
-            kind, sid = action.kind, action.storage_id
-            size = sizes.get(sid, 0)
-            if kind is Act.COPY_D2H:
-                begin = max(now, d2h_free, arrive.get(sid, 0.0))
-                d2h_free = begin + size * d2h_cost
-                left[sid] = d2h_free
-                d2h_lane.append((begin, d2h_free, sid))
-                bytes_d2h += size
-            elif kind is Act.COPY_H2D:
-                begin = max(now, h2d_free, left.get(sid, 0.0))
-                h2d_free = begin + size * h2d_cost
-                arrive[sid] = h2d_free
-                h2d_lane.append((begin, h2d_free, sid))
-                bytes_h2d += size
-                open_from[sid] = counts_from
-            elif kind is Act.RELEASE_DEVICE:
-                first = open_from.pop(sid, None)
-                if first is not None:
-                    spans.append((first, counts_from - 1, left.get(sid, 0.0), size))
-
     for i in range(n):
-        if pre[i]:
-            run(pre[i], clock, i)
-        start = clock
-        deps = waits_on.get(i)
-        if deps is not None:
-            for sid, write in deps:
-                t = arrive.get(sid, 0.0)
-                if t > start:
-                    start = t
-                if write:
-                    t = left.get(sid, 0.0)
-                    if t > start:
-                        start = t
-            waits[i] = start - clock
-        starts[i] = start
-        clock = start + durations[i]
-        ends[i] = clock
-        if post[i]:
-            run(post[i], clock, i + 1)
+        for phase in (0, 1):
+            actions = pre[i] if phase == 0 else post[i]
+            if not actions:
+                if phase == 0:
+                    start = clock
+                    deps = waits_on.get(i)
+                    if deps is not None:
+                        for sid, write in deps:
+                            t = arrive.get(sid, 0.0)
+                            if t > start:
+                                start = t
+                            if write:
+                                t = left.get(sid, 0.0)
+                                if t > start:
+                                    start = t
+                        waits[i] = start - clock
+                    starts[i] = start
+                    clock = start + durations[i]
+                    ends[i] = clock
+                continue
+            counts_from = i + phase
+            for action in actions:
+                kind, sid = action.kind, action.storage_id
+                if kind is release:
+                    first = open_from.pop(sid, None)
+                    if first is not None:
+                        spans.append((first, counts_from - 1, left.get(sid, 0.0), sizes.get(sid, 0)))
+                elif kind is copy_d2h:
+                    size = sizes.get(sid, 0)
+                    begin = max(clock, d2h_free, arrive.get(sid, 0.0))
+                    d2h_free = begin + size * d2h_cost
+                    left[sid] = d2h_free
+                    d2h_lane.append((begin, d2h_free, sid))
+                    bytes_d2h += size
+                elif kind is copy_h2d:
+                    size = sizes.get(sid, 0)
+                    begin = max(clock, h2d_free, left.get(sid, 0.0))
+                    h2d_free = begin + size * h2d_cost
+                    arrive[sid] = h2d_free
+                    h2d_lane.append((begin, h2d_free, sid))
+                    bytes_h2d += size
+                    open_from[sid] = counts_from
+            if phase == 0:
+                start = clock
+                deps = waits_on.get(i)
+                if deps is not None:
+                    for sid, write in deps:
+                        t = arrive.get(sid, 0.0)
+                        if t > start:
+                            start = t
+                        if write:
+                            t = left.get(sid, 0.0)
+                            if t > start:
+                                start = t
+                    waits[i] = start - clock
+                starts[i] = start
+                clock = start + durations[i]
+                ends[i] = clock
 
     delta = [0] * (n + 1)
     for first, last, d2h_end, size in spans:
