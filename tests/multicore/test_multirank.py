@@ -178,8 +178,8 @@ def _uncaught_mismatch_body(rank: int, world: int) -> None:
     FakeModule(4 + (rank == world - 1))(torch.ones(1))
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_uncaught_disagreement_fails_every_rank_and_leaves_no_process(world: int) -> None:
+def test_uncaught_disagreement_fails_every_rank_and_leaves_no_process() -> None:
+    world = 3  # 2 ranks: covered by the caught disagreements above
     errors = run_ranks(_uncaught_mismatch_body, world, timeout=TIMEOUT, expect_failure=True)
     assert sorted(errors) == list(range(world))
     for text in errors.values():
