@@ -70,9 +70,12 @@ def test_reentry_and_nesting_are_errors() -> None:
     assert OffloadSession.get_active() is None
 
 
-def test_session_rejects_a_non_config() -> None:
+def test_session_rejects_a_non_config_and_a_missing_device() -> None:
     with pytest.raises(TypeError, match="OffloadConfig"):
         OffloadSession({"max_resident_activation_mb": 1})  # type: ignore[arg-type]
+    if not torch.accelerator.is_available():
+        with pytest.raises(ValueError, match="device='cuda'"):
+            OffloadSession(OffloadConfig(device="cuda"))
 
 
 class _Boom(nn.Module):

@@ -40,6 +40,11 @@ class OffloadSession:
             raise TypeError(f"OffloadSession(config=...) needs an OffloadConfig, got {config!r}")
         self.config = config
         self.device = config.resolved_device()
+        if self.device.type != "cpu":
+            acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+            if acc is None or acc.type != self.device.type:
+                raise ValueError(f"OffloadConfig.device={config.device!r}: this machine has no such "
+                                 f"accelerator (available: {acc})")
         self.phase = "warmup"
         self.trace: ActivationTrace | None = None
         self.schedule: ResidencySchedule | None = None

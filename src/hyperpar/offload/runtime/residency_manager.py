@@ -1,16 +1,13 @@
 """Where each tracked activation storage lives: on the device, on host, or both.
 
-Residency is changed on the storage itself, not through a wrapper tensor (the design's
-``ShadowTensor``): evicting copies the storage's bytes to a host slab and resizes the
-storage to 0 bytes, paging in resizes it back and copies the bytes in. Every tensor and
-view sharing the storage stays the same object with the same metadata, so autograd's
-saved tensors, ``param.grad`` and the user's outputs stay plain tensors after the step;
-no per-op rewrapping is needed; identity, views and version counters are preserved (the
-copies go through a fresh uint8 alias, never through the user's tensor). The price is
-that a resized-to-0 storage must never reach a kernel: the capture layer pages every
-evicted input in before its op runs. The manager holds only weak references to device
-storages (a strong one would keep the memory alive) and learns of a storage's death
-through its weakref callback.
+We change residency on the storage itself instead of wrapping outputs (the design's
+``ShadowTensor``): evicting copies the storage's bytes to a host slab and resizes it to
+0 bytes; paging in resizes it back and copies the bytes in. No wrapper means gradients,
+outputs and autograd's saved tensors stay plain tensors after the step, no per-op rewrap
+cost, and views, identity and version counters are untouched (copies go through a fresh
+uint8 alias). The price: a 0-byte storage must never reach a kernel, so capture pages
+every evicted input in before its op. Only weak references to device storages are held
+(a strong one would keep the memory alive); a storage's death arrives by weakref callback.
 """
 
 from __future__ import annotations
