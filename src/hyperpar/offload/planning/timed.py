@@ -165,16 +165,17 @@ class _TimedPlan:
         first = np.empty(len(g))
         first[by_sid] = d2h_end
         lo = self._first_relieved(np.where(self.taken, first, 0.0))
-        # H2D lane, latest start first from the last deadline back
-        hidden = idx[~self.pinned[idx]]
-        deadline = self.op_start[g.end[hidden]]
-        back = np.lexsort((-g.sid[hidden], -g.end[hidden]))
-        c = self.h2d_ms[hidden][back]
+        # H2D lane, latest start first from the last deadline back; an exposed copy (issued
+        # at its consumer) occupies the lane right after its consumer's start
+        deadline = self.op_start[g.end[idx]] + np.where(self.pinned[idx], self.h2d_ms[idx], 0.0)
+        back = np.lexsort((-g.sid[idx], -deadline))
+        c = self.h2d_ms[idx][back]
         csum = np.cumsum(c)
         start = np.minimum.accumulate(deadline[back] + (csum - c)) - csum
         h2d_op = self.h2d_op.copy()
-        h2d_op[hidden[back]] = self._latest_issue_op(start, hidden[back])
-        self.h2d_op = np.where(self.taken, np.maximum(h2d_op, self.gaps.start + 1), self.gaps.end)
+        h2d_op[idx[back]] = self._latest_issue_op(start, idx[back])
+        h2d_op = np.where(self.pinned, g.end, h2d_op)
+        self.h2d_op = np.where(self.taken, np.maximum(h2d_op, g.start + 1), g.end)
         self.relief_lo = lo
         self.resident = relieve(self.base, lo, self.h2d_op - 1, g.size, idx)
 
@@ -189,9 +190,12 @@ class _TimedPlan:
         resident = self.resident.copy()
         # earliest useful issue: twice the copy's own time before the consumer
         earliest = self._latest_issue_op(self.op_start[g.end] - 2.0 * self.h2d_ms)
-        for k in idx[np.argsort(g.end[idx], kind="stable")].tolist():
+        # in deadline order, never ahead of an earlier consumer's copy: the lane is FIFO
+        previous = 0
+        for k in idx[np.lexsort((g.sid[idx], g.end[idx]))].tolist():
             j = int(self.h2d_op[k])
-            stop = max(int(earliest[k]), int(lo[k]) + 1, int(g.start[k]) + 1)
+            stop = max(int(earliest[k]), int(lo[k]) + 1, int(g.start[k]) + 1, previous)
+            previous = max(previous, min(j, stop))
             if j <= stop:
                 continue
             window = resident[stop:j] + int(g.size[k])
@@ -200,4 +204,5 @@ class _TimedPlan:
             if new_j < j:
                 resident[new_j:j] += int(g.size[k])
                 self.h2d_op[k] = new_j
+            previous = max(previous, int(self.h2d_op[k]))
         self.resident = resident
