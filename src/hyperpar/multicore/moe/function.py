@@ -81,32 +81,32 @@ def route_rows(
             result.index_copy_(0, route.order, out)
         return result
 
+    # Each chunk owns a disjoint slice of both buffers. Its received rows are copied out
+    # (owned) before its results are written back into the same slice, and its combine
+    # lands in its send slice after its dispatch completed: two buffers serve four roles.
     send_all = workspace.buffer("send", total_rows, hidden)
     recv_all = workspace.buffer("recv", plan.recv_rows, hidden)
-    ret_all = workspace.buffer("ret", plan.recv_rows, hidden)
-    back_all = workspace.buffer("back", total_rows, hidden)
 
-    def views(route: ChunkRoute) -> tuple[torch.Tensor, ...]:
-        s = slice(route.send_begin, route.send_begin + route.send_rows)
-        r = slice(route.recv_begin, route.recv_begin + route.recv_rows)
-        return send_all[s], recv_all[r], ret_all[r], back_all[s]
+    def views(route: ChunkRoute) -> tuple[torch.Tensor, torch.Tensor]:
+        return (send_all[route.send_begin:route.send_begin + route.send_rows],
+                recv_all[route.recv_begin:route.recv_begin + route.recv_rows])
 
     dispatches = []
     for route in plan.chunks:
-        send, recv, _, _ = views(route)
+        send, recv = views(route)
         torch.index_select(source, 0, pick(route), out=send)
         dispatches.append(_exchange(recv, send, route.recv_splits, route.send_splits, math))
     combines = []
     for c, (route, work) in enumerate(zip(plan.chunks, dispatches, strict=True)):
-        _, recv, ret, back = views(route)
+        send, recv = views(route)
         work.wait()
         assert route.recv_to_expert is not None
         out = compute(c, route, recv.index_select(0, route.recv_to_expert))
-        ret.index_copy_(0, route.recv_to_expert, out)
-        combines.append(_exchange(back, ret, route.send_splits, route.recv_splits, math))
+        recv.index_copy_(0, route.recv_to_expert, out)
+        combines.append(_exchange(send, recv, route.send_splits, route.recv_splits, math))
     for route, work in zip(plan.chunks, combines, strict=True):
         work.wait()
-        result.index_copy_(0, route.order, views(route)[3])
+        result.index_copy_(0, route.order, views(route)[0])
     return result
 
 

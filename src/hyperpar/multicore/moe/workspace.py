@@ -53,7 +53,7 @@ class PendingBackward:
 
 
 class MoeWorkspace:
-    """Receive buffers at capacity plus send-side buffers, allocated once per binding."""
+    """A receive buffer at capacity plus a send buffer, allocated once per binding."""
 
     def __init__(self, spec: WorkspaceSpec, device: torch.device, dtype: torch.dtype) -> None:
         self.spec = spec
@@ -64,13 +64,11 @@ class MoeWorkspace:
         self._pending = 0
         self._closed = False
         hidden = spec.hidden_size
+        shapes: dict[str, int] = {}
         if spec.ep_size > 1:
-            # send: permuted rows out (and dx un-permute in backward); recv: dispatched rows in;
-            # ret: expert outputs back out; back: combined rows in.
-            shapes = {"send": spec.send_rows, "recv": spec.capacity_rows,
-                      "ret": spec.capacity_rows, "back": spec.send_rows}
-        else:
-            shapes = {"send": spec.send_rows}
+            # send: this rank's rows out, then their results back in; recv: rows in at
+            # capacity, then the expert outputs out. One rank alone needs no buffers.
+            shapes = {"send": spec.send_rows, "recv": spec.capacity_rows}
         self._buffers: dict[str, torch.Tensor] = {
             name: torch.empty(rows, hidden, device=device, dtype=dtype) for name, rows in shapes.items()
         }
