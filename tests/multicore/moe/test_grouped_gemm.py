@@ -1,0 +1,86 @@
+"""Grouped GEMM: the fused path and the loop give the same numbers, empty groups give zeros."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hyperpar.multicore.moe.grouped_gemm import (
+    group_offsets,
+    grouped_mm,
+    grouped_weight_grad,
+    set_grouped_mm_enabled,
+)
+
+COUNTS = [5, 0, 11, 3]
+
+
+def _operands(dtype: torch.dtype, k: int = 16, n: int = 8) -> tuple[torch.Tensor, ...]:
+    torch.manual_seed(0)
+    rows = torch.randn(sum(COUNTS), k, dtype=dtype)
+    weight = torch.randn(len(COUNTS), k, n, dtype=dtype)
+    grad = torch.randn(sum(COUNTS), n, dtype=dtype)
+    return rows, weight, grad
+
+
+def _by_hand(rows: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    outs, dws, start = [], [], 0
+    for g, count in enumerate(COUNTS):
+        outs.append(rows[start:start + count] @ weight[g])
+        dws.append(rows[start:start + count].t() @ grad[start:start + count])
+        start += count
+    return torch.cat(outs), torch.stack(dws)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("fused", [True, False])
+def test_matches_per_group_matmul(dtype: torch.dtype, fused: bool) -> None:
+    rows, weight, grad = _operands(dtype)
+    offsets = group_offsets(COUNTS, rows.device)
+    set_grouped_mm_enabled(fused)
+    try:
+        out = grouped_mm(rows, weight, COUNTS, offsets)
+        dw = grouped_weight_grad(rows, grad, COUNTS, offsets)
+        dx = grouped_mm(grad, weight.transpose(1, 2), COUNTS, offsets)
+    finally:
+        set_grouped_mm_enabled(True)
+    want_out, want_dw = _by_hand(rows, weight, grad)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out, want_out, rtol=tol, atol=tol)
+    torch.testing.assert_close(dw, want_dw, rtol=tol, atol=tol)
+    assert dx.shape == rows.shape
+    assert torch.equal(dw[1], torch.zeros_like(dw[1]))  # the group without rows: exact zeros
+
+
+def test_unaligned_shapes_fall_back_to_the_loop() -> None:
+    rows, weight, grad = _operands(torch.float32, k=5, n=3)  # strides not 16-byte aligned
+    offsets = group_offsets(COUNTS, rows.device)
+    want_out, want_dw = _by_hand(rows, weight, grad)
+    torch.testing.assert_close(grouped_mm(rows, weight, COUNTS, offsets), want_out)
+    torch.testing.assert_close(grouped_weight_grad(rows, grad, COUNTS, offsets), want_dw)
+
+
+def test_no_rows_at_all() -> None:
+    rows = torch.randn(0, 16)
+    weight = torch.randn(3, 16, 8)
+    offsets = group_offsets([0, 0, 0], rows.device)
+    assert grouped_mm(rows, weight, [0, 0, 0], offsets).shape == (0, 8)
+    weight_grad = grouped_weight_grad(rows, torch.randn(0, 8), [0, 0, 0], offsets)
+    assert torch.equal(weight_grad, torch.zeros(3, 16, 8))
+
+
+def test_fused_path_is_taken_when_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[torch.dtype] = []
+    real = torch._grouped_mm
+
+    def counting(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(args[0].dtype)  # type: ignore[union-attr]
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_grouped_mm", counting)
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        rows, weight, grad = _operands(dtype)
+        offsets = group_offsets(COUNTS, rows.device)
+        grouped_mm(rows, weight, COUNTS, offsets)
+        grouped_weight_grad(rows, grad, COUNTS, offsets)
+    assert calls == [torch.float32] * 2 + [torch.bfloat16] * 2  # float64 has no fused kernel: loop
