@@ -107,6 +107,21 @@ class OpaqueModule(nn.Module):
         return self.head(self.block(x).sigmoid())
 
 
+class OpaqueClosure(nn.Module):
+    """The region reads an activation it captured (not an argument), like a mask or a rotary cache."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = (x > 0).float() * 0.5  # an activation without grad
+        h = self.fc2(self.fc1(x * mask).tanh()).relu()
+        h = h + mask  # its last traced access; the region below reads it again
+        h = self.fc2(h.sin()).cos()
+        return self.fc3(skip_offload(lambda y: y * mask)(h))
+
+
 class Checkpointed(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -173,6 +188,7 @@ CASES = [
     Case("tensor_lists", Lists, _x(16, 16)),
     Case("skip_offload_branchy", Opaque, _x(16, 16)),
     Case("skip_offload_module", OpaqueModule, _x(16, 16)),
+    Case("skip_offload_closure", OpaqueClosure, _x(16, 16)),
     Case("checkpoint", Checkpointed, _x(16, 16)),
 ]
 

@@ -226,6 +226,8 @@ def test_stale_host_copy_is_never_brought_back() -> None:
     """A storage evicted once, written in place, then evicted again must be copied again."""
     w = torch.randn(64, requires_grad=True)
 
+    held_while_evicted: list[int] = []
+
     def step(session: OffloadSession | None) -> tuple[torch.Tensor, torch.Tensor]:
         w.grad = None
         x = torch.linspace(-1, 1, 64)
@@ -233,6 +235,8 @@ def test_stale_host_copy_is_never_brought_back() -> None:
         def body() -> torch.Tensor:
             a = x * 2.0  # no grad: `a` may be written in place
             t1 = (w * 3.0).sin()
+            if session is not None:
+                held_while_evicted.append(a.untyped_storage().nbytes())  # not an op: no page-in
             a.add_(1.0)  # `a` was evicted before this write (budget 0)
             t2 = (w * 5.0).cos()
             return (a * w).sum() + t1.sum() + t2.sum()
@@ -257,6 +261,7 @@ def test_stale_host_copy_is_never_brought_back() -> None:
            if a.storage_id == sid_a and a.kind is ResidencyActionType.COPY_D2H]
     assert len(d2h) >= 2, schedule.actions()
     assert session.last_report.bytes_d2h >= 2 * trace.storage_sizes[sid_a]
+    assert held_while_evicted == [0, 0, 0, 0]  # the memory was really given back, in every phase
 
 
 def test_host_pool_cap_keeps_storages_on_device_and_counts_it() -> None:

@@ -26,11 +26,15 @@ class ExecutorBase:
         if self.passthrough:
             return func(*args, **kwargs)
         if self.opaque_depth:
-            # Not traced, but a 0-byte (evicted) storage must still never reach a kernel.
-            if self.manager.evicted:
-                self.manager.page_in_inputs(tensor_inputs(args, kwargs))
+            self.untraced_op(func, args, kwargs)
             return func(*args, **kwargs)
         return self.run_op(func, args, kwargs)
+
+    def untraced_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """An op inside a skip_offload region: not traced, but a 0-byte (evicted) storage
+        must still never reach a kernel."""
+        if self.manager.evicted:
+            self.manager.page_in_inputs(tensor_inputs(args, kwargs))
 
     def device_storages(self, tensors: list[torch.Tensor]) -> list[torch.UntypedStorage]:
         dev = self.device

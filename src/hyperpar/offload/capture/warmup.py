@@ -55,6 +55,7 @@ class WarmupExecutor(ExecutorBase):
         self._sync = device.type != "cpu" and torch.accelerator.is_available()
         self.peak_bytes = 0
         self.peak_op: int | None = None
+        self._regions: list[_OpState] = []  # open skip_offload regions, innermost last
 
     # --- ops ------------------------------------------------------------------------
     def run_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -66,10 +67,35 @@ class WarmupExecutor(ExecutorBase):
         return out
 
     def begin_opaque(self, name: str, reads: list[torch.UntypedStorage]) -> _OpState:
-        return self._begin(name, name, reads, [])
+        state = self._begin(name, name, reads, [])
+        self._regions.append(state)
+        return state
 
     def end_opaque(self, token: _OpState, outputs: list[torch.Tensor]) -> None:
+        if self._regions and self._regions[-1] is token:
+            self._regions.pop()
         self._end(token, list(outputs))
+
+    def untraced_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Activations a region reads or writes without taking them as arguments (a captured
+        mask, a rotary cache) are accesses of the region's op, so the plan keeps them."""
+        if not self._regions:
+            super().untraced_op(func, args, kwargs)
+            return
+        state, m = self._regions[-1], self.manager
+        for st in self.device_storages(tensor_inputs(args, kwargs)):
+            entry = m.lookup(st)
+            if entry is None:
+                continue
+            state.kinds.setdefault(entry.sid, READ)
+            state.in_keys.add(st._cdata)
+            if not entry.resident:
+                m.copy_h2d(entry, demand=True)
+                heapq.heappush(self._heap, (entry.producer_op, -entry.nbytes, entry.sid))
+        for st in self.device_storages(written_tensors(func, args, kwargs)):
+            entry = m.lookup(st)
+            if entry is not None:
+                state.kinds[entry.sid] = WRITE
 
     def _begin(self, key: Any, name: str, reads: list[torch.UntypedStorage],
                writes: list[torch.UntypedStorage]) -> _OpState:
