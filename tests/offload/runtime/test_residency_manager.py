@@ -46,6 +46,16 @@ def test_release_needs_a_current_host_copy_unless_final() -> None:
     with pytest.raises(LostStorageError, match="storage 1"):
         m.copy_h2d(e2)
     assert m.restore_all() == 1 and t2.untyped_storage().nbytes() == 32
+    m.copy_d2h(entry)
+    assert m.release_device(entry) and entry.offloaded
+    m.release_host(entry)  # it is coming back: its only copy is kept
+    assert entry.host is not None
+    m.copy_h2d(entry)
+    t3 = torch.ones(8)
+    e3 = m.bind(2, t3.untyped_storage())
+    assert m.copy_d2h(e3) and m.release_device(e3, final=True) and not e3.discarded
+    m.release_host(e3)  # released after its last access: the host copy goes too
+    assert e3.host is None and e3.discarded
 
 
 def test_death_is_observed_and_host_slabs_return_to_the_pool() -> None:

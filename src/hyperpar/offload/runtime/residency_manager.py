@@ -180,7 +180,10 @@ class ResidencyManager:
     def release_host(self, entry: StorageEntry) -> None:
         if entry.resident:
             self._drop_host(entry)
-        # A non-resident storage keeps its only copy: dropping it would lose the data.
+        elif not entry.offloaded:  # released after its last access: nobody needs the bytes
+            self._drop_host(entry)
+            entry.discarded = True
+        # A storage released to come back later keeps its only copy.
 
     def mark_written(self, entry: StorageEntry) -> None:
         entry.host_current = False
