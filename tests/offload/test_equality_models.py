@@ -38,14 +38,14 @@ def _hf(kind: str) -> nn.Module:
                                        max_position_embeddings=64, **common)
         model = transformers.LlamaForCausalLM(cfg)
     elif kind == "gpt2":
-        cfg = transformers.GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=2, n_head=4)
+        cfg = transformers.GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=2, n_head=4,
+                                      bos_token_id=0, eos_token_id=0)
         model = transformers.GPT2LMHeadModel(cfg)
     else:
         cfg = transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_key_value_heads=2,
                                          num_local_experts=4, num_experts_per_tok=2,
                                          max_position_embeddings=64, **common)
         model = transformers.MixtralForCausalLM(cfg)
-    cfg._attn_implementation = "eager" if kind == "gpt2" else "sdpa"
     return _HFCausalLM(model.train())
 
 
