@@ -180,7 +180,7 @@ def test_fewer_ops_than_the_trace_is_a_divergence() -> None:
     _grads(model, x, session)
     with pytest.raises(OffloadDivergenceError, match="ended after"), session:
         model(x).square().sum()  # forward only: the trace also had the backward
-    assert session.held_bytes() == 0
+    assert session.held_bytes() == 0 and session.phase == "replay"
     retrace = OffloadSession(OffloadConfig(max_resident_activation_mb=0))
     _grads(model, x, retrace)
     with retrace:

@@ -136,8 +136,8 @@ class OffloadSession:
             predicted = self.schedule.notes.get("predicted_step_ms") if self.schedule else None
             if isinstance(predicted, (int, float)) and not isinstance(predicted, bool):
                 report.predicted_step_ms = float(predicted)
-            if report.diverged_at is not None:
-                self.phase = "warmup"  # re-trace at the next entry
+            if report.diverged_at is not None and self.config.on_divergence == "retrace":
+                self.phase = "warmup"  # re-trace at the next entry ("raise" leaves the phase as it is)
         self.last_report = report
 
     def _reset_active(self) -> None:
