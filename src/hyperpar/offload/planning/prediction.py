@@ -12,7 +12,8 @@ logger = logging.getLogger(__name__)
 
 
 def attach_prediction(
-    trace: ActivationTrace, schedule: ResidencySchedule, arrays: TraceArrays | None = None
+    trace: ActivationTrace, schedule: ResidencySchedule, arrays: TraceArrays | None = None,
+    log: bool = True,
 ) -> SimResult:
     sim = simulate(trace, schedule, arrays)
     budget = trace.memory_limit_bytes
@@ -21,10 +22,11 @@ def attach_prediction(
     if sim.peak_resident_bytes > budget:
         schedule.deficit_bytes = sim.peak_resident_bytes - budget
         schedule.deficit_op = sim.peak_op
-        logger.warning(
-            "%s plan exceeds the budget of %d bytes by %d bytes at op %s",
-            schedule.planner, budget, schedule.deficit_bytes, schedule.deficit_op,
-        )
+        if log:
+            logger.warning(
+                "%s plan exceeds the budget of %d bytes by %d bytes at op %s",
+                schedule.planner, budget, schedule.deficit_bytes, schedule.deficit_op,
+            )
     else:
         schedule.deficit_bytes = 0
         schedule.deficit_op = None

@@ -21,6 +21,7 @@ over budget is reported by ``simulate`` as the deficit.
 from __future__ import annotations
 
 import logging
+from bisect import bisect_left
 
 import numpy as np
 
@@ -32,7 +33,7 @@ from hyperpar.offload.planning.arrays import (
     resident_without_offload,
     trace_arrays,
 )
-from hyperpar.offload.planning.covering import relieve, take_covering
+from hyperpar.offload.planning.covering import Covering, relieve, take_covering
 from hyperpar.offload.planning.emit import as_gaps, emit_schedule
 from hyperpar.offload.planning.gc_pause import gc_paused
 from hyperpar.offload.planning.prediction import attach_prediction
@@ -54,15 +55,37 @@ class TimedPlanner:
             arrays = trace_arrays(trace)
             plan = _TimedPlan(trace, arrays)
             rounds = plan.run(self.max_rounds)
-            idx = np.flatnonzero(plan.taken)
-            g = plan.gaps
-            chosen = as_gaps(g.start[idx], g.end[idx], g.copy_op[idx], g.sid[idx], g.size[idx])
-            schedule = emit_schedule(trace, chosen, self.name, h2d_ops=plan.h2d_op[idx].tolist(),
-                                     arrays=arrays)
-            schedule.notes.update(
-                evicted_gaps=len(chosen), exposed_gaps=int(plan.pinned[idx].sum()), rounds=rounds
+            before_drop = plan.snapshot()
+            plan.pull_h2d_early()
+            schedule = self._emit(trace, plan, arrays, rounds)
+            if plan.pinned.any():
+                # Exposed copies the wait-free model finds useless may still help: their wait
+                # gives D2H copies time to land. Keep whichever the simulator likes better.
+                plan.restore(before_drop)
+                if plan.drop_useless_exposed():
+                    plan.lay_out_lanes()
+                    plan.pull_h2d_early()
+                    leaner = self._emit(trace, plan, arrays, rounds)
+                    if (leaner.deficit_bytes, leaner.notes["exposed_wait_ms"]) <= (
+                        schedule.deficit_bytes, schedule.notes["exposed_wait_ms"]
+                    ):
+                        schedule = leaner
+        if schedule.deficit_bytes:
+            logger.warning(
+                "timed plan exceeds the budget of %d bytes by %d bytes at op %s",
+                trace.memory_limit_bytes, schedule.deficit_bytes, schedule.deficit_op,
             )
-            attach_prediction(trace, schedule, arrays)
+        return schedule
+
+    def _emit(self, trace: ActivationTrace, plan: _TimedPlan, arrays: TraceArrays,
+              rounds: int) -> ResidencySchedule:
+        idx = np.flatnonzero(plan.taken)
+        g = plan.gaps
+        chosen = as_gaps(g.start[idx], g.end[idx], g.copy_op[idx], g.sid[idx], g.size[idx])
+        schedule = emit_schedule(trace, chosen, self.name, h2d_ops=plan.h2d_op[idx].tolist(), arrays=arrays)
+        schedule.notes.update(evicted_gaps=len(chosen), exposed_gaps=int(plan.pinned[idx].sum()),
+                              rounds=rounds)
+        attach_prediction(trace, schedule, arrays, log=False)
         return schedule
 
 
@@ -104,28 +127,98 @@ class _TimedPlan:
             return 0
         rounds = 0
         for rounds in range(1, max_rounds + 1):
-            if not self._select() and rounds > 1:
+            if rounds == 1:
+                self._select_hidden_in_issue_order()
+                took = self._select(hidden=False)
+            else:
+                took = self._select()
+            if not took and rounds > 1:
                 break
-            self._lay_out_lanes()
+            self.lay_out_lanes()
             if int(self.resident.max()) <= self.budget:
                 break
-        self._pull_h2d_early()
         return rounds
 
+    def snapshot(self) -> tuple[np.ndarray, ...]:
+        return (self.taken.copy(), self.pinned.copy(), self.h2d_op.copy(), self.resident.copy(),
+                getattr(self, "relief_lo", self.first_relieved).copy())
+
+    def restore(self, state: tuple[np.ndarray, ...]) -> None:
+        self.taken, self.pinned, self.h2d_op, self.resident, self.relief_lo = (a.copy() for a in state)
+
+    def drop_useless_exposed(self) -> bool:
+        """Undo exposed evictions the final peak does not need: they only cost wait. (Rounds
+        may take some to chase ops that no eviction can fix, such as a copy still in flight.)"""
+        g = self.gaps
+        lo = getattr(self, "relief_lo", self.first_relieved)
+        target = max(self.budget, int(self.resident.max()))
+        resident = self.resident
+        dropped = False
+        exposed = np.flatnonzero(self.taken & self.pinned)
+        for k in exposed[np.argsort(-g.size[exposed], kind="stable")].tolist():
+            a, b, size = int(lo[k]), int(self.h2d_op[k]), int(g.size[k])
+            if a < b and int(resident[a:b].max()) + size > target:
+                continue
+            resident[a:b] += size
+            self.taken[k] = self.pinned[k] = False
+            self.h2d_op[k] = g.end[k]
+            dropped = True
+        return dropped
+
     # --- selection ------------------------------------------------------------------
-    def _select(self) -> bool:
+    def _select_hidden_in_issue_order(self) -> None:
+        """Hidden gaps decided in D2H issue order, so each copy's place on the FIFO D2H lane
+        (behind every copy taken before it) is exact when its relief is judged."""
+        g = self.gaps
+        cover = Covering(self.resident, self.budget)
+        hidden_hi = self.hidden_h2d_op - 1
+        first = self.first_relieved
+        ok = np.flatnonzero(hidden_hi >= first)
+        span = self.op_start[np.minimum(hidden_hi[ok] + 1, self.n - 1)] - self.op_start[first[ok]]
+        ok = ok[np.lexsort((g.sid[ok], g.start[ok], -g.size[ok], -span, g.copy_op[ok]))]
+        op_start = self.op_start.tolist()
+        op_end = self.op_end.tolist()
+        lane_free = 0.0
+        copy_end: dict[tuple[int, int], float] = {}
+        got: list[int] = []
+        los: list[int] = []
+        for k, sid, start, w, hi, size, cost in zip(
+            ok.tolist(), g.sid[ok].tolist(), g.start[ok].tolist(), g.copy_op[ok].tolist(),
+            hidden_hi[ok].tolist(), g.size[ok].tolist(), self.d2h_ms[ok].tolist(), strict=True
+        ):
+            end = copy_end.get((sid, w))
+            fresh = end is None
+            if fresh:
+                end = max(op_end[w], lane_free) + cost
+            lo = max(start + 1, bisect_left(op_start, end))
+            if lo <= hi and cover.try_take(lo, hi, size):
+                got.append(k)
+                los.append(lo)
+                if fresh:
+                    copy_end[(sid, w)] = end
+                    lane_free = end
+        idx = np.asarray(got, dtype=np.int64)
+        self.taken[idx] = True
+        self.h2d_op[idx] = self.hidden_h2d_op[idx]
+        lo_all = self.first_relieved.copy()
+        lo_all[idx] = np.asarray(los, dtype=np.int64)
+        self.resident = relieve(self.resident, lo_all, hidden_hi, g.size, idx)
+
+    def _select(self, hidden: bool = True) -> bool:
         g, budget = self.gaps, self.budget
         relief_lo = self.first_relieved
-        hidden_hi = self.hidden_h2d_op - 1
-        # (1) hidden gaps not yet taken: longest relief in time first, then largest
-        cand = np.flatnonzero(~self.taken & (hidden_hi >= relief_lo))
-        span = self.op_start[np.minimum(hidden_hi[cand] + 1, self.n - 1)] - self.op_start[relief_lo[cand]]
-        cand = cand[np.lexsort((g.sid[cand], g.start[cand], -g.size[cand], -span))]
-        got = cand[take_covering(self.resident, budget, relief_lo[cand], hidden_hi[cand], g.size[cand])]
-        self.taken[got] = True
-        self.h2d_op[got] = self.hidden_h2d_op[got]
-        self.resident = relieve(self.resident, relief_lo, hidden_hi, g.size, got)
-        took = len(got) > 0
+        took = False
+        if hidden:
+            # (1) hidden gaps not yet taken: longest relief in time first, then largest
+            hidden_hi = self.hidden_h2d_op - 1
+            cand = np.flatnonzero(~self.taken & (hidden_hi >= relief_lo))
+            span = self.op_start[np.minimum(hidden_hi[cand] + 1, self.n - 1)] - self.op_start[relief_lo[cand]]
+            cand = cand[np.lexsort((g.sid[cand], g.start[cand], -g.size[cand], -span))]
+            got = cand[take_covering(self.resident, budget, relief_lo[cand], hidden_hi[cand], g.size[cand])]
+            self.taken[got] = True
+            self.h2d_op[got] = self.hidden_h2d_op[got]
+            self.resident = relieve(self.resident, relief_lo, hidden_hi, g.size, got)
+            took = len(got) > 0
         if int(self.resident.max()) <= budget:
             return took
         # (2) exposed: new gaps relieved up to the consumer, or taken ones extended there
@@ -142,7 +235,7 @@ class _TimedPlan:
         return took or len(got) > 0
 
     # --- lanes ----------------------------------------------------------------------
-    def _lay_out_lanes(self) -> None:
+    def lay_out_lanes(self) -> None:
         """Exact D2H lane (ASAP, issue order) and H2D lane (ALAP by deadline); new reliefs."""
         g = self.gaps
         idx = np.flatnonzero(self.taken)
@@ -180,7 +273,7 @@ class _TimedPlan:
         self.resident = relieve(self.base, lo, self.h2d_op - 1, g.size, idx)
 
     # --- prefetch placement ---------------------------------------------------------
-    def _pull_h2d_early(self) -> None:
+    def pull_h2d_early(self) -> None:
         """Issue each H2D as early as the budget allows, up to a copy's length ahead of need."""
         g, budget = self.gaps, self.budget
         idx = np.flatnonzero(self.taken)
