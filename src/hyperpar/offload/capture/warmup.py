@@ -33,12 +33,13 @@ def op_name(func: Any) -> str:
 
 
 class _OpState:
-    __slots__ = ("in_keys", "index", "key", "kinds", "name", "t0")
+    __slots__ = ("in_keys", "index", "key", "kinds", "name", "start_event", "t0")
 
     def __init__(self, index: int, key: Any, name: str, kinds: dict[int, AccessKind],
                  in_keys: set[int]) -> None:
         self.index, self.key, self.name, self.kinds, self.in_keys = index, key, name, kinds, in_keys
         self.t0 = 0.0
+        self.start_event: torch.Event | None = None
 
 
 class WarmupExecutor(ExecutorBase):
@@ -52,7 +53,9 @@ class WarmupExecutor(ExecutorBase):
         self.storage_sizes: dict[int, int] = {}
         self._plain: dict[int, weakref.ref] = {}  # storages first seen as inputs: not activations
         self._heap: list[tuple[int, int, int]] = []  # (producer op, -bytes, sid)
-        self._sync = device.type != "cpu" and torch.accelerator.is_available()
+        # On an accelerator an op is timed by events on its stream (the device's own time, not
+        # the launch); the host waits for each op here, which the async runtime will remove.
+        self._events = device.type != "cpu" and torch.accelerator.is_available()
         self.peak_bytes = 0
         self.peak_op: int | None = None
         self._regions: list[_OpState] = []  # open skip_offload regions, innermost last
@@ -120,13 +123,20 @@ class WarmupExecutor(ExecutorBase):
                 heapq.heappush(self._heap, (entry.producer_op, -entry.nbytes, sid))
         self._enforce_budget(kinds)
         state = _OpState(len(self.ops), key, name, kinds, in_keys)
+        if self._events:
+            state.start_event = torch.Event(device=self.device, enable_timing=True)
+            state.start_event.record()
         state.t0 = time.perf_counter()
         return state
 
     def _end(self, state: _OpState, leaves: list[Any]) -> None:
-        if self._sync:
-            torch.accelerator.synchronize()
-        duration_ms = (time.perf_counter() - state.t0) * 1e3
+        if state.start_event is not None:
+            end = torch.Event(device=self.device, enable_timing=True)
+            end.record()
+            end.synchronize()
+            duration_ms = state.start_event.elapsed_time(end)
+        else:
+            duration_ms = (time.perf_counter() - state.t0) * 1e3
         m, dev, i, kinds = self.manager, self.device, state.index, state.kinds
         meta: list[Any] = []
         new: list[tuple[int, torch.UntypedStorage, int]] = []  # (bytes, storage, leaf)
