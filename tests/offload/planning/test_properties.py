@@ -8,7 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hyperpar.offload.planning import get_planner
-from hyperpar.offload.planning.bounds import min_feasible_budget, min_resident_bytes, min_resident_bytes_timed
+from hyperpar.offload.planning.bounds import (
+    exposed_wait_lower_bound,
+    min_feasible_budget,
+    min_resident_bytes,
+    min_resident_bytes_timed,
+)
 from hyperpar.offload.planning.simulate import simulate
 from hyperpar.offload.planning.verify import verify
 from tests.offload.planning.random_traces import random_trace
@@ -22,6 +27,7 @@ def test_every_planner_is_safe_and_honest(rng: random.Random) -> None:
     trace = random_trace(rng)
     floor = min_resident_bytes(trace)
     timed_floor = min_resident_bytes_timed(trace)
+    lower_bound = exposed_wait_lower_bound(trace)
     for name in PLANNERS:
         schedule = get_planner(name).build(trace)
         verify(trace, schedule)
@@ -35,6 +41,8 @@ def test_every_planner_is_safe_and_honest(rng: random.Random) -> None:
         assert (schedule.deficit_op is not None) == (over > 0)
         if over > 0:
             assert sim.resident_bytes[schedule.deficit_op] == sim.peak_resident_bytes
+        else:  # a schedule within budget waits at least the lower bound
+            assert sim.exposed_wait_ms >= lower_bound - 1e-9
 
 
 @settings(max_examples=200, deadline=None)

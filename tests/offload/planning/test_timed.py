@@ -3,6 +3,11 @@ from __future__ import annotations
 import pytest
 
 from hyperpar.offload.planning import GreedyPlanner, TimedPlanner, simulate, verify
+from hyperpar.offload.planning.bounds import (
+    exposed_wait_lower_bound,
+    min_resident_bytes,
+    min_resident_bytes_timed,
+)
 from tests.offload.planning.trace_builders import actions_text, make_trace
 
 MB = 1_000_000  # 1 ms per copy at 1 GB/s
@@ -57,3 +62,18 @@ def test_reports_the_deficit_when_the_budget_cannot_be_met() -> None:
 def test_rejects_a_bad_round_count() -> None:
     with pytest.raises(ValueError, match=r"max_rounds.*0"):
         TimedPlanner(max_rounds=0)
+
+
+def test_lower_bound_counts_the_storage_that_must_come_back_late() -> None:
+    trace = chain_trace({1: MB, 2: 10, 3: 10, 4: 100}, budget=MB + 15)
+    # op 4 must not hold sid 1, which op 5 reads right after: its whole 1 ms copy is exposed
+    assert exposed_wait_lower_bound(trace) == pytest.approx(1.0)
+    assert exposed_wait_lower_bound(chain_trace({1: MB, 2: 10, 3: 10, 4: 10}, budget=MB + 15)) == 0.0
+
+
+def test_feasibility_floor_counts_copies_still_in_flight() -> None:
+    # sid 1 is written by op 0 (1 ms) and its 1 ms D2H cannot end before op 1 starts
+    trace = chain_trace({1: MB, 2: 10, 3: 10, 4: 10}, budget=0)
+    assert min_resident_bytes(trace)[1] == 10
+    assert min_resident_bytes_timed(trace)[1] == MB + 10
+    assert min_resident_bytes_timed(trace)[2] == 20

@@ -93,8 +93,9 @@ def exposed_wait_lower_bound(trace: ActivationTrace) -> float:
     ``m`` starts, through one H2D lane: if that takes longer than the compute between
     the end of ``k`` and the start of ``m``, compute waits for the difference. Waits of
     disjoint windows ``(k, m]`` add up; the bound is the best sum over disjoint windows
-    (a small dynamic program). It ignores D2H, lane sharing across windows and sizes
-    that do not split, so it can only be lower than the truth. Ops whose excess cannot
+    (a small dynamic program). Storages do not split, so at least the smallest one read
+    by ``m`` comes back. It ignores D2H, lane sharing across windows and the other ops'
+    budgets, so it can only be lower than the truth. Ops whose excess cannot
     be moved at all are skipped (no schedule meets the budget there).
     """
     import numpy as np
@@ -119,10 +120,11 @@ def exposed_wait_lower_bound(trace: ActivationTrace) -> float:
         if int(sizes.sum()) < need:
             continue
         for m in np.unique(reads).tolist():
-            at_or_after = int(sizes[reads > m].sum())
-            must = need - at_or_after
+            must = need - int(sizes[reads > m].sum())
             if must <= 0:
                 continue
+            must = max(must, int(sizes[reads <= m].min()))  # storages do not split
+
             wait = must * cost - (start_ms[m] - end_ms[k])
             if wait > 0:
                 windows.setdefault(m, []).append((k, float(wait)))
