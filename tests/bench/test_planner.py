@@ -1,0 +1,33 @@
+"""Smoke test of ``hyperpar bench planner --quick``: it runs end to end and reports its goals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hyperpar.cli import main
+
+
+def test_quick_planner_benchmark(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "planner.json"
+    assert main(["bench", "planner", "--quick", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "assumptions:" in printed and "GB/s" in printed
+    assert "median exposed wait timed/greedy" in printed
+    doc = json.loads(out.read_text())
+    assert doc["command"] == "hyperpar bench planner --quick"
+    assert doc["torch"] and doc["machine"]["platform"] and doc["assumptions"]
+    assert set(doc["models"]) == {"hyperpar-gpt", "cnn"}
+    for model in doc["models"].values():
+        assert [c["budget_fraction"] for c in model["cases"]] == [0.3, 0.5, 0.7]
+        for case in model["cases"]:
+            for planner in ("greedy", "timed"):
+                point = case[planner]
+                assert point["budget_bytes"] == case["budget_bytes"]
+                assert point["deficit_bytes"] == max(0, point["predicted_peak_bytes"] - case["budget_bytes"])
+                if point["deficit_bytes"] == 0:
+                    assert point["exposed_wait_ms"] >= case["exposed_wait_lower_bound_ms"] - 1e-9
+    assert doc["synthetic"]["ops"] >= 19_000
+    assert doc["summary"]["synthetic_plan_cpu_seconds"]["timed"] > 0
