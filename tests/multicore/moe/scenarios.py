@@ -28,8 +28,14 @@ def routing(scenario: str, tokens: int, rank: int, world: int, gen: torch.Genera
         pool = list(range(EXPERTS - local, EXPERTS))
     else:
         raise ValueError(scenario)
+    if tokens == 0:
+        return torch.zeros(0, TOP_K, dtype=torch.int64)
     choice = torch.stack([torch.randperm(len(pool), generator=gen)[:TOP_K] for _ in range(tokens)])
     return torch.tensor(pool)[choice]
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max()) if a.numel() else 0.0
 
 
 def full_weights(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,19 +50,26 @@ def compare_with_reference(rank: int, world: int, cases: list[tuple[Any, ...]]) 
     output and every gradient, and whether experts without tokens got exact zero weight grads."""
     distributed = world > 1
     report: dict[str, Any] = {}
-    for scenario, chunks, limit, *rest in cases:
+    pairs: list[Any] = []
+    for label, chunks, limit, *rest in cases:
         dtype = rest[0] if rest else torch.float64
+        scenario, group, ep = label, None, world
+        if label.startswith("pairs/"):  # EP groups {0, 1}, {2, 3}, ... instead of the world
+            scenario = label.split("/", 1)[1]
+            if not pairs:
+                pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+            group, ep = pairs[rank // 2], 2
         gate_up_full, down_full = full_weights(dtype)
         gen = torch.Generator().manual_seed(100 + rank)
-        tokens = 5 + 3 * rank  # uneven token counts across ranks
+        tokens = 5 + 3 * rank if scenario != "idle_rank" or rank != 0 else 0  # uneven counts
         x = torch.randn(tokens, HIDDEN, generator=gen, dtype=dtype)
-        ids = routing(scenario, tokens, rank, world, gen)
+        ids = routing("uniform" if scenario == "idle_rank" else scenario, tokens, rank, ep, gen)
         w = torch.rand(tokens, TOP_K, generator=gen, dtype=dtype)
         grad_out = torch.randn(tokens, HIDDEN, generator=gen, dtype=dtype)
 
         layer = MoeExperts(local_num_tokens=MAX_TOKENS, hidden_size=HIDDEN, intermediate_size=INTER,
-                           num_experts=EXPERTS, top_k=TOP_K, ep_size=world, overlap_chunks=chunks,
-                           swiglu_limit=limit).to(dtype)
+                           num_experts=EXPERTS, top_k=TOP_K, ep_size=ep, ep_group=group,
+                           overlap_chunks=chunks, swiglu_limit=limit).to(dtype)
         mine = layer.local_expert_ids
         with torch.no_grad():
             layer.gate_up_weight.copy_(gate_up_full[mine.start:mine.stop])
@@ -73,17 +86,17 @@ def compare_with_reference(rank: int, world: int, cases: list[tuple[Any, ...]]) 
         gu_grad, dn_grad = gu2.grad, dn2.grad
         used = torch.bincount(ids.flatten(), minlength=EXPERTS)
         if distributed:
-            dist.all_reduce(gu_grad)
-            dist.all_reduce(dn_grad)
-            dist.all_reduce(used)
+            dist.all_reduce(gu_grad, group=group)
+            dist.all_reduce(dn_grad, group=group)
+            dist.all_reduce(used, group=group)
         unused_local = [e - mine.start for e in mine if int(used[e]) == 0]
-        report[f"{scenario}/chunks={chunks}/limit={limit}/{dtype}"] = {
+        report[f"{label}/chunks={chunks}/limit={limit}/{dtype}"] = {
             "dtype": str(dtype),
-            "output": float((out - ref).abs().max()),
-            "hidden_grad": float((x1.grad - x2.grad).abs().max()),
-            "weights_grad": float((w1.grad - w2.grad).abs().max()),
-            "gate_up_grad": float((layer.gate_up_weight.grad - gu_grad[mine.start:mine.stop]).abs().max()),
-            "down_grad": float((layer.down_weight.grad - dn_grad[mine.start:mine.stop]).abs().max()),
+            "output": _max_diff(out, ref),
+            "hidden_grad": _max_diff(x1.grad, x2.grad),
+            "weights_grad": _max_diff(w1.grad, w2.grad),
+            "gate_up_grad": _max_diff(layer.gate_up_weight.grad, gu_grad[mine.start:mine.stop]),
+            "down_grad": _max_diff(layer.down_weight.grad, dn_grad[mine.start:mine.stop]),
             "unused_experts": unused_local,
             "unused_exact_zero": all(
                 bool((layer.gate_up_weight.grad[e] == 0).all() and (layer.down_weight.grad[e] == 0).all())

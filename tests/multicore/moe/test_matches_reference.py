@@ -34,8 +34,10 @@ def test_single_rank_without_distributed() -> None:
 def test_expert_parallel_ranks(world: int) -> None:
     cases = [(s, 1, None) for s in SCENARIOS] + [("uniform", 2, 0.4), ("skewed", 3, None)]
     cases += [("skewed", 2, 0.4, torch.float32), ("empty_experts", 1, None, torch.float32)]
-    if world == 4:  # slow on 2 cores: fewer cases, still every routing shape
+    cases += [("idle_rank", 2, None)]  # rank 0 passes no tokens at all
+    if world == 4:  # slow on 2 cores: fewer cases, still every routing shape, plus two EP groups
         cases = [(s, 1 if s != "uniform" else 2, None) for s in SCENARIOS]
+        cases += [("pairs/skewed", 1, None), ("pairs/uniform", 2, 0.4, torch.float32)]
     results = run_ranks(compare_with_reference, world, args=(cases,), timeout=90)
     for rank, report in results.items():
         _check(report, f"world {world} rank {rank}")
