@@ -122,6 +122,19 @@ class OpaqueClosure(nn.Module):
         return self.fc3(skip_offload(lambda y: y * mask)(h))
 
 
+class BufferSwap(nn.Module):
+    """A forward pre-hook replaces a buffer inside the step (the new one outlives the step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.register_buffer("scale", torch.ones(16))
+        self.register_forward_pre_hook(lambda mod, args: setattr(mod, "scale", mod.scale * 0.9 + 0.2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.fc(x) * self.scale).tanh()
+
+
 class Checkpointed(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -189,6 +202,7 @@ CASES = [
     Case("skip_offload_branchy", Opaque, _x(16, 16)),
     Case("skip_offload_module", OpaqueModule, _x(16, 16)),
     Case("skip_offload_closure", OpaqueClosure, _x(16, 16)),
+    Case("buffer_swapped_by_pre_hook", BufferSwap, _x(16, 16)),
     Case("checkpoint", Checkpointed, _x(16, 16)),
 ]
 
