@@ -129,9 +129,9 @@ class _TimedPlan:
         for rounds in range(1, max_rounds + 1):
             if rounds == 1:
                 self._select_hidden_in_issue_order()
-                took = self._select(hidden=False)
-            else:
-                took = self._select()
+            # later rounds add no hidden gaps: judged off the lane, their copies would
+            # delay every later D2H on the FIFO lane and move peaks rather than cut them
+            took = self._select(hidden=False)
             if not took and rounds > 1:
                 break
             self.lay_out_lanes()
