@@ -3,10 +3,8 @@
 from hyperpar.offload.api import OffloadConfig, OffloadSession, skip_offload
 from hyperpar.offload.capture import OffloadDivergenceError
 from hyperpar.offload.ir.report import StepReport
-from hyperpar.offload.runtime.residency_manager import LostStorageError
 
 __all__ = [
-    "LostStorageError",
     "OffloadConfig",
     "OffloadDivergenceError",
     "OffloadSession",

@@ -285,3 +285,30 @@ def test_gradient_accumulation_without_zero_grad_stays_correct() -> None:
         phases.append(session.last_report.phase)
         assert _equal([p.grad for p in model.parameters()], [p.grad for p in reference.parameters()])
     assert phases == ["warmup", "replay", "warmup", "replay", "replay"]
+
+
+def test_an_intermediate_kept_only_at_replay_is_whole_after_the_step() -> None:
+    """The trace saw it die; this step the user keeps it: the planned release must not lose it."""
+    torch.manual_seed(0)
+    fc1, fc2 = nn.Linear(8, 32), nn.Linear(32, 2)
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=0))
+    kept: list[torch.Tensor] = []
+
+    def body(keep: bool) -> None:
+        hidden = fc1(_x()).relu()  # saved for backward: moved out and back at budget 0
+        fc2(hidden).square().sum().backward()
+        if keep:
+            kept.append(hidden)
+
+    for step in range(3):
+        fc1.zero_grad(set_to_none=True)
+        fc2.zero_grad(set_to_none=True)
+        with session:
+            body(keep=step > 0)
+        assert session.last_report.phase == ("warmup" if step == 0 else "replay")
+    with torch.no_grad():
+        expected = fc1(_x()).relu()
+    relu = [op.name for op in session.trace.ops].index("aten.relu.default")
+    sid = session.trace.guides[relu].output_bindings[0]
+    assert sid in session.schedule.moved_sids() and sid not in session.trace.retained_sids
+    assert all(torch.equal(k, expected) for k in kept)

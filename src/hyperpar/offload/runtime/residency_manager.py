@@ -25,10 +25,6 @@ from hyperpar.offload.runtime.host_pool import HostPool
 logger = logging.getLogger(__name__)
 
 
-class LostStorageError(RuntimeError):
-    """A storage released without a current host copy is needed again."""
-
-
 def byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
     """A fresh uint8 tensor over the whole storage (its own version counter)."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
@@ -44,7 +40,6 @@ class StorageEntry:
     resident: bool = True
     host: torch.Tensor | None = None  # slab (aligned size) when a host copy exists
     host_current: bool = False
-    discarded: bool = False  # released with no current host copy (after its last access)
     evictable: bool = True
     offloaded: bool = False  # counted in ResidencyManager.offloaded_bytes
     h2d_event: torch.Event | None = None
@@ -129,10 +124,9 @@ class ResidencyManager:
         return True
 
     def release_device(self, entry: StorageEntry, final: bool = False) -> bool:
-        """Drop the device bytes. Without a current host copy only when ``final``."""
-        if not entry.resident or not entry.evictable:
-            return False
-        if not entry.host_current and not final:
+        """Drop the device bytes; only with a current host copy, even after the planned last
+        access (``final``): a tensor the user unexpectedly kept must still be whole."""
+        if not entry.resident or not entry.evictable or not entry.host_current:
             return False
         storage = entry.ref()
         if storage is None:
@@ -143,7 +137,6 @@ class ResidencyManager:
             entry.evictable = False
             return False
         entry.resident = False
-        entry.discarded = not entry.host_current
         self.resident_bytes -= entry.nbytes
         self.evicted[entry.key] = entry
         if not final:
@@ -152,17 +145,13 @@ class ResidencyManager:
         return True
 
     def copy_h2d(self, entry: StorageEntry, demand: bool = False) -> None:
-        """Bring the bytes back; raises LostStorageError if they were discarded."""
+        """Bring the bytes back (a release always leaves a current host copy behind)."""
         if entry.resident:
             return
         storage = entry.ref()
         if storage is None:
             return
-        if entry.discarded or entry.host is None:
-            raise LostStorageError(
-                f"storage {entry.sid} ({entry.nbytes} bytes) was released after its planned last "
-                "access and is needed again"
-            )
+        assert entry.host is not None, f"storage {entry.sid} was released without a host copy"
         storage.resize_(entry.nbytes)
         entry.h2d_event = self.engine.copy_h2d(byte_view(storage), entry.host[: entry.nbytes])
         self.engine.wait(entry.h2d_event)
@@ -180,10 +169,8 @@ class ResidencyManager:
     def release_host(self, entry: StorageEntry) -> None:
         if entry.resident:
             self._drop_host(entry)
-        elif not entry.offloaded:  # released after its last access: nobody needs the bytes
-            self._drop_host(entry)
-            entry.discarded = True
-        # A storage released to come back later keeps its only copy.
+        # A released storage keeps its only copy; it goes back to the pool when the storage
+        # dies (usually right after its last access) or at the end of the step.
 
     def mark_written(self, entry: StorageEntry) -> None:
         entry.host_current = False
@@ -201,24 +188,11 @@ class ResidencyManager:
                 self.copy_h2d(entry, demand=True)
 
     # --- end of step ----------------------------------------------------------------
-    def restore_all(self) -> int:
-        """Page in every evicted storage still alive; returns how many were discarded."""
-        lost = 0
+    def restore_all(self) -> None:
+        """Page in every evicted storage still alive (the user may keep any of them)."""
         for entry in list(self.evicted.values()):
-            storage = entry.ref()
-            if storage is None:
-                continue
-            if entry.discarded or entry.host is None:
-                storage.resize_(entry.nbytes)  # never leave a 0-byte storage behind
-                entry.resident = True
-                del self.evicted[entry.key]
-                lost += 1
-                continue
-            self.copy_h2d(entry)
-        if lost:
-            logger.warning("%d storages released after their planned last access were still alive "
-                           "at the end of the step; their contents are undefined", lost)
-        return lost
+            if entry.ref() is not None:
+                self.copy_h2d(entry)
 
     def clear(self) -> None:
         """Forget every entry and return every host slab to the pool."""
