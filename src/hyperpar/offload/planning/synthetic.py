@@ -25,7 +25,7 @@ def synthetic_trace(
     d2h_gbps: float = 50.0,
     h2d_gbps: float = 50.0,
 ) -> ActivationTrace:
-    """About ``num_ops`` ops (exactly, after trimming the last layer's backward)."""
+    """Exactly ``num_ops`` ops (the last layer's backward is trimmed, short traces padded)."""
     rng = random.Random(seed)
     ops: list[TraceOp] = []
     sizes: dict[int, int] = {}
@@ -84,6 +84,8 @@ def synthetic_trace(
             accesses[out] = W
             add("backward", rng.uniform(0.02, 0.5), accesses)
             grad = out
+    while len(ops) < num_ops:  # pad to the exact count with the optimizer's bookkeeping ops
+        add("optimizer", 0.005, {})
     trace = ActivationTrace(ops, sizes, frozenset(retained), 0, d2h_gbps, h2d_gbps)
     trace.memory_limit_bytes = int(trace.peak_bytes_without_offload() * budget_fraction)
     return trace
