@@ -305,6 +305,7 @@ def run_variant(name: str, model: Llama, idx: torch.Tensor, targets: torch.Tenso
                       peak_memory_bytes=peak, loss=losses[-1])
         if session is not None and session.last_report is not None:
             result["report"] = session.last_report.as_dict()
+            result["copy_engine"] = getattr(session, "copy_engine_name", None)
     except Exception as exc:  # report it, keep going with the other variants
         result.update(ok=False, error=f"{type(exc).__name__}: {exc}",
                       traceback=traceback.format_exc(limit=6))
@@ -325,12 +326,14 @@ def release_memory(device: torch.device) -> None:
 
 
 def bandwidths(device: torch.device) -> dict[str, Any]:
-    from hyperpar.offload.runtime import measure_bandwidth_gbps
+    """hyperpar's probe (several sizes, each direction and both at once, through its copy engine)."""
+    from hyperpar.offload import runtime
 
-    figures = measure_bandwidth_gbps(device)
-    if isinstance(figures, tuple):
-        return {"d2h_gbps": figures[0], "h2d_gbps": figures[1]}
-    return asdict(figures) if hasattr(figures, "__dataclass_fields__") else dict(figures)
+    probe = getattr(runtime, "probe_link", None)
+    if probe is not None:
+        return dict(probe(device).as_dict())
+    d2h, h2d = runtime.measure_bandwidth_gbps(device)
+    return {"d2h_gbps": d2h, "h2d_gbps": h2d}
 
 
 # --------------------------------------------------------------------------- main
