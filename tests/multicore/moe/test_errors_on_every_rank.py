@@ -1,4 +1,5 @@
-"""Bad input, capacity overflow and mismatched configuration raise on every rank; nothing hangs."""
+"""Bad input, capacity overflow, mismatched configuration or grad mode raise on every rank;
+nothing hangs; ranks that need different gradients still agree on the backward collectives."""
 
 from __future__ import annotations
 
@@ -53,8 +54,41 @@ def _failures_body(rank: int, world: int) -> dict[str, str]:
     return out
 
 
+def _grad_modes(rank: int, world: int) -> dict[str, object]:
+    out: dict[str, object] = {}
+    torch.manual_seed(0)
+    layer = _layer(world)
+    x = torch.randn(MAX_T, H)
+    ids = torch.tensor([[0, 2], [1, 3]] * (MAX_T // 2))
+    w = torch.rand(MAX_T, K)
+
+    def call() -> None:
+        if rank == 0:
+            with torch.no_grad():
+                layer(x, ids, w)
+        else:
+            layer(x, ids, w)
+    out["grad_mode_mismatch"] = _error_text(call)
+    # frozen input everywhere: expert gradients only, no return trip in backward
+    layer(x, ids, w).square().sum().backward()
+    frozen = [p.grad.clone() for p in (layer.gate_up_weight, layer.down_weight)]
+    layer.zero_grad()
+    # only rank 0's input is trainable: both ranks still make the return trip
+    x_in = x.clone().requires_grad_(rank == 0)
+    layer(x_in, ids, w).square().sum().backward()
+    out["weight_grads_equal"] = all(torch.equal(a, p.grad) for a, p in
+                                    zip(frozen, (layer.gate_up_weight, layer.down_weight), strict=True))
+    out["hidden_grad"] = None if x_in.grad is None else float(x_in.grad.abs().sum())
+    layer.close()
+    return out
+
+
+def _body(rank: int, world: int) -> dict[str, object]:
+    return {**_failures_body(rank, world), **_grad_modes(rank, world)}
+
+
 def test_errors_are_raised_on_every_rank() -> None:
-    results = run_ranks(_failures_body, 2, timeout=60)
+    results = run_ranks(_body, 2, timeout=60)
     for rank, out in results.items():
         assert out["capacity"].startswith("RuntimeError"), out["capacity"]
         assert "needs 32 rows" in out["capacity"], out["capacity"]
@@ -67,5 +101,8 @@ def test_errors_are_raised_on_every_rank() -> None:
         assert out["after_errors"] == f"ok {(MAX_T, H)}", f"rank {rank}"
         assert out["config_mismatch"] != "no error"
         assert "3.0" in out["config_mismatch"], out["config_mismatch"]
+        assert "autograd records this call on EP ranks [1] but not on [0]" in out["grad_mode_mismatch"]
+        assert out["weight_grads_equal"], f"rank {rank}"
+    assert results[0]["hidden_grad"] > 0 and results[1]["hidden_grad"] is None
     assert results[0]["config_mismatch"] == results[1]["config_mismatch"]
     assert results[0]["capacity"] == results[1]["capacity"]

@@ -42,15 +42,18 @@ def _experts_forward(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tens
 
 def _experts_backward(rows: torch.Tensor, pre: torch.Tensor, grad: torch.Tensor, gate_up: torch.Tensor,
                       down: torch.Tensor, route: ChunkRoute, math: ExpertMath, want_weights: bool,
-                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                      want_rows: bool,
+                      ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     counts, offsets = route.expert_counts, route.expert_offsets
     act_grad = grouped_mm(grad, down.transpose(1, 2), counts, offsets)
-    down_grad = None
+    pre_grad, act = swiglu_backward(pre, act_grad, math.swiglu_limit, want_activation=want_weights)
+    down_grad = gate_up_grad = rows_grad = None
     if want_weights:
-        down_grad = grouped_weight_grad(swiglu(pre, math.swiglu_limit), grad, counts, offsets)
-    pre_grad = swiglu_backward(pre, act_grad, math.swiglu_limit)
-    gate_up_grad = grouped_weight_grad(rows, pre_grad, counts, offsets) if want_weights else None
-    rows_grad = grouped_mm(pre_grad, gate_up.transpose(1, 2), counts, offsets)
+        assert act is not None
+        down_grad = grouped_weight_grad(act, grad, counts, offsets)
+        gate_up_grad = grouped_weight_grad(rows, pre_grad, counts, offsets)
+    if want_rows:
+        rows_grad = grouped_mm(pre_grad, gate_up.transpose(1, 2), counts, offsets)
     return rows_grad, gate_up_grad, down_grad
 
 
@@ -62,15 +65,16 @@ def _accumulate(total: torch.Tensor | None, part: torch.Tensor | None) -> torch.
 
 def route_rows(
     source: torch.Tensor, source_is_tokens: bool, plan: RoutePlan, workspace: MoeWorkspace,
-    math: ExpertMath, compute: Any,
-) -> torch.Tensor:
+    math: ExpertMath, compute: Any, return_results: bool = True,
+) -> torch.Tensor | None:
     """Send rows of ``source`` to their experts, run ``compute(chunk_index, route,
     expert_major_rows) -> expert_major_result`` there, and bring the results back
-    un-permuted: returns a new [T*K, H] tensor in (token, k) order. ``source`` holds one
-    row per token ([T, H]) or one per (token, k) pair ([T*K, H])."""
+    un-permuted: returns a new [T*K, H] tensor in (token, k) order (or nothing, without
+    the return trip, when ``return_results`` is False). ``source`` holds one row per
+    token ([T, H]) or one per (token, k) pair ([T*K, H])."""
     total_rows = plan.num_tokens * plan.top_k
     hidden = source.shape[1]
-    result = source.new_empty(total_rows, hidden)
+    result = source.new_empty(total_rows, hidden) if return_results else None
 
     def pick(route: ChunkRoute) -> torch.Tensor:
         return route.source_token if source_is_tokens else route.order
@@ -78,7 +82,8 @@ def route_rows(
     if math.ep_size == 1:
         for c, route in enumerate(plan.chunks):
             out = compute(c, route, source.index_select(0, pick(route)))
-            result.index_copy_(0, route.order, out)
+            if result is not None:
+                result.index_copy_(0, route.order, out)
         return result
 
     # Each chunk owns a disjoint slice of both buffers. Its received rows are copied out
@@ -102,11 +107,13 @@ def route_rows(
         work.wait()
         assert route.recv_to_expert is not None
         out = compute(c, route, recv.index_select(0, route.recv_to_expert))
-        recv.index_copy_(0, route.recv_to_expert, out)
-        combines.append(_exchange(send, recv, route.send_splits, route.recv_splits, math))
-    for route, work in zip(plan.chunks, combines, strict=True):
-        work.wait()
-        result.index_copy_(0, route.order, views(route)[0])
+        if result is not None:
+            recv.index_copy_(0, route.recv_to_expert, out)
+            combines.append(_exchange(send, recv, route.send_splits, route.recv_splits, math))
+    if result is not None:
+        for route, work in zip(plan.chunks, combines, strict=True):
+            work.wait()
+            result.index_copy_(0, route.order, views(route)[0])
     return result
 
 
@@ -163,21 +170,25 @@ class MoeExpertsFunction(torch.autograd.Function):
             weights_grad = weights_grad.to(topk_weights.dtype)
 
         hidden_grad = gate_up_grad = down_grad = None
-        if need_hidden or want_expert_weights:
+        # Whether gradient rows travel, and come back, is decided by every EP rank's needs
+        # (agreed in the plan), so one rank's frozen weights cannot leave another waiting.
+        if plan.backward_dispatch:
             rows_grad = (topk_weights.to(grad.dtype).view(tokens, top_k, 1)
                          * grad.view(tokens, 1, hidden_size)).view(tokens * top_k, hidden_size)
             weight_grads: list[torch.Tensor | None] = [None, None]
 
-            def compute(c: int, route: ChunkRoute, rows: torch.Tensor) -> torch.Tensor:
+            def compute(c: int, route: ChunkRoute, rows: torch.Tensor) -> torch.Tensor | None:
                 out, gu, dn = _experts_backward(ctx.saved_rows[c], ctx.saved_pre[c], rows, gate_up, down,
-                                                route, math, want_expert_weights)
+                                                route, math, want_expert_weights, plan.backward_combine)
                 weight_grads[0] = _accumulate(weight_grads[0], gu)
                 weight_grads[1] = _accumulate(weight_grads[1], dn)
                 return out
 
             with workspace.lease("backward"):
-                back = route_rows(rows_grad, False, plan, workspace, math, compute)
+                back = route_rows(rows_grad, False, plan, workspace, math, compute,
+                                  return_results=plan.backward_combine)
             if need_hidden:
+                assert back is not None
                 hidden_grad = back.view(tokens, top_k, hidden_size).sum(1)
             gate_up_grad, down_grad = weight_grads
             if want_expert_weights and gate_up_grad is None:  # no chunk at all

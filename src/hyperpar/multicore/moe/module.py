@@ -14,7 +14,7 @@ from hyperpar.multicore.module import MulticoreModule
 
 from .config import DEFAULT_OVERLAP_CHUNKS, MoeExpertsConfig
 from .function import ExpertMath, MoeExpertsFunction
-from .routing import RoutingSetup, build_route_plan
+from .routing import GradNeeds, RoutingSetup, build_route_plan
 from .workspace import MoeWorkspace, WorkspaceSpec
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,16 @@ def _resolve_group(ep_size: int, ep_group: Any) -> tuple[Any, int]:
     if rank < 0:
         raise ValueError("this rank is not a member of ep_group")
     return group, rank
+
+
+def _grad_needs(hidden: torch.Tensor, topk_weights: Any, gate_up: torch.Tensor,
+                down: torch.Tensor) -> GradNeeds:
+    if not torch.is_grad_enabled():
+        return GradNeeds()
+    weights_grad = isinstance(topk_weights, torch.Tensor) and topk_weights.requires_grad
+    experts_grad = gate_up.requires_grad or down.requires_grad
+    return GradNeeds(recording=hidden.requires_grad or weights_grad or experts_grad,
+                     hidden=hidden.requires_grad, expert_weights=experts_grad)
 
 
 class MoeExperts(MulticoreModule):
@@ -183,7 +193,8 @@ class MoeExperts(MulticoreModule):
             problems.append("tokens_per_expert must be None or a tensor, "
                             f"got {type(tokens_per_expert).__name__}")
             tokens_per_expert = None
-        plan = build_route_plan(self._routing, topk_ids, num_tokens, tokens_per_expert, problems)
+        plan = build_route_plan(self._routing, topk_ids, num_tokens, tokens_per_expert, problems,
+                                _grad_needs(hidden_states, topk_weights, gate_up, down))
         flat = hidden_states.reshape(num_tokens, cfg.hidden_size)
         out = MoeExpertsFunction.apply(flat, topk_weights, gate_up, down, plan, workspace, self._math)
         return out.view(hidden_states.shape)

@@ -40,12 +40,23 @@ class ChunkRoute:
 
 
 @dataclass(frozen=True)
+class GradNeeds:
+    """What this rank's call will need in backward (known at forward time)."""
+
+    recording: bool = False  # autograd records this call at all
+    hidden: bool = False  # hidden_states wants a gradient
+    expert_weights: bool = False  # gate_up or down wants a gradient
+
+
+@dataclass(frozen=True)
 class RoutePlan:
     num_tokens: int
     top_k: int
     chunks: tuple[ChunkRoute, ...]
     recv_rows: int  # rows this rank receives over all chunks
     max_recv_rows: int  # the largest receive count of any EP rank
+    backward_dispatch: bool = False  # some EP rank needs expert-side gradients
+    backward_combine: bool = False  # some EP rank needs the hidden-state gradient
 
 
 @dataclass(frozen=True)
@@ -147,7 +158,8 @@ def _recv_to_expert(per_source: torch.Tensor) -> torch.Tensor:
 
 def build_route_plan(setup: RoutingSetup, topk_ids: torch.Tensor, num_tokens: int,
                      tokens_per_expert: torch.Tensor | None = None,
-                     caller_problems: list[str] | None = None) -> RoutePlan:
+                     caller_problems: list[str] | None = None,
+                     grad_needs: GradNeeds | None = None) -> RoutePlan:
     """Validate, exchange counts, check capacity (same error on every rank), derive splits.
 
     ``caller_problems`` are input errors the caller found (shapes, dtypes): they are
@@ -161,15 +173,25 @@ def build_route_plan(setup: RoutingSetup, topk_ids: torch.Tensor, num_tokens: in
     if counts is None:
         counts = torch.zeros(width, dtype=torch.int64, device=topk_ids.device)
     status = _BAD_INPUT if problems else _OK
-    header = torch.cat([torch.tensor([status, num_tokens], dtype=torch.int64, device=counts.device),
-                        counts.to(torch.int64)])
+    needs = grad_needs or GradNeeds()
+    fixed = [status, num_tokens, int(needs.recording), int(needs.hidden), int(needs.expert_weights)]
+    header = torch.cat([torch.tensor(fixed, dtype=torch.int64, device=counts.device), counts.to(torch.int64)])
     gathered = _exchange_header(setup, header)
     statuses = gathered[:, 0].tolist()
     if any(s != _OK for s in statuses):
         _raise_input_problems(setup, statuses, problems)
+    recording = gathered[:, 2].tolist()
+    if len(set(recording)) > 1:
+        raise ValueError(
+            "MoeExperts: autograd records this call on EP ranks "
+            f"{[r for r, v in enumerate(recording) if v]} but not on "
+            f"{[r for r, v in enumerate(recording) if not v]}; the backward is collective, so every "
+            "EP rank must run the layer with the same grad mode and trainable inputs")
+    backward_combine = bool(gathered[:, 3].any())
+    backward_dispatch = backward_combine or bool(gathered[:, 4].any())
 
     local_experts = setup.local_experts
-    counts_all = gathered[:, 2:].view(setup.ep_size, setup.chunks, setup.ep_size, local_experts)
+    counts_all = gathered[:, len(fixed):].view(setup.ep_size, setup.chunks, setup.ep_size, local_experts)
     recv_per_rank = counts_all.sum(dim=(0, 1, 3))  # [ep_size] rows each rank receives
     max_recv = int(recv_per_rank.max())
     if max_recv > setup.capacity_rows:
@@ -216,4 +238,5 @@ def build_route_plan(setup: RoutingSetup, topk_ids: torch.Tensor, num_tokens: in
         send_begin += chunk_rows
         recv_begin += sum(recv_splits)
     return RoutePlan(num_tokens=num_tokens, top_k=setup.top_k, chunks=tuple(chunk_routes),
-                     recv_rows=recv_begin, max_recv_rows=max_recv)
+                     recv_rows=recv_begin, max_recv_rows=max_recv,
+                     backward_dispatch=backward_dispatch, backward_combine=backward_combine)

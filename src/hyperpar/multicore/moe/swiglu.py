@@ -27,17 +27,21 @@ def swiglu(pre: torch.Tensor, limit: float | None) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def swiglu_backward(pre: torch.Tensor, grad: torch.Tensor, limit: float | None) -> torch.Tensor:
-    """Gradient w.r.t. ``pre`` ([R, 2I]) given the gradient of the activation ([R, I])."""
+def swiglu_backward(pre: torch.Tensor, grad: torch.Tensor, limit: float | None,
+                    want_activation: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gradient w.r.t. ``pre`` ([R, 2I]) given the activation's gradient ([R, I]), and the
+    recomputed activation when ``want_activation`` (the down-projection's weight gradient
+    needs it; computing both shares one ``silu``)."""
     inter = pre.shape[1] // 2
     gate, up = _limited(pre, limit)
+    silu_gate = F.silu(gate)
     out = torch.empty_like(pre)
     grad_gate = out[:, :inter]
     grad_up = out[:, inter:]
     torch.ops.aten.silu_backward(grad * up, gate, grad_input=grad_gate)
-    torch.mul(grad, F.silu(gate), out=grad_up)
+    torch.mul(grad, silu_gate, out=grad_up)
     if limit is not None:
         raw_gate, raw_up = pre[:, :inter], pre[:, inter:]
         grad_gate.masked_fill_(raw_gate > limit, 0)
         grad_up.masked_fill_((raw_up < -limit) | (raw_up > limit), 0)
-    return out
+    return out, (silu_gate.mul_(up) if want_activation else None)
