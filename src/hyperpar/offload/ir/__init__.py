@@ -2,6 +2,7 @@
 
 from hyperpar.offload.ir.guide import LeafMeta, OpGuide
 from hyperpar.offload.ir.json_io import IRFormatError
+from hyperpar.offload.ir.report import StepReport
 from hyperpar.offload.ir.schedule import ResidencyAction, ResidencyActionType, ResidencySchedule
 from hyperpar.offload.ir.trace import AccessKind, ActivationTrace, StorageAccess, TraceOp
 
@@ -14,6 +15,7 @@ __all__ = [
     "ResidencyAction",
     "ResidencyActionType",
     "ResidencySchedule",
+    "StepReport",
     "StorageAccess",
     "TraceOp",
 ]
