@@ -126,8 +126,11 @@ def _measure(rank: int, world: int, size: dict[str, int]) -> dict[str, Any]:
     gate_up = layers[1].gate_up_weight.detach().clone().requires_grad_()
     down = layers[1].down_weight.detach().clone().requires_grad_()
     gen = torch.Generator().manual_seed(rank)
-    x = torch.randn(tokens, hidden, generator=gen)
-    weights, ids = torch.softmax(torch.randn(tokens, experts, generator=gen), -1).topk(top_k, -1)
+    # as inside a model: the hidden states and the routing weights come from trainable layers
+    x = torch.randn(tokens, hidden, generator=gen).requires_grad_()
+    logits = torch.randn(tokens, experts, generator=gen).requires_grad_()
+    weights, ids = torch.softmax(logits, -1).topk(top_k, -1)
+    weights = weights.detach().requires_grad_()
 
     def variant(name: str) -> torch.Tensor:
         if name == "naive":
@@ -137,6 +140,7 @@ def _measure(rank: int, world: int, size: dict[str, int]) -> dict[str, Any]:
     names = ["naive", "chunks=1", "chunks=2", "chunks=4"]
     reference = variant("naive").detach()
     agree = {n: float((variant(n).detach() - reference).abs().max()) for n in names[1:]}
+    x.grad = weights.grad = None
     times: dict[str, list[float]] = {n: [] for n in names}
     for step in range(size["steps"] + 2):
         for name in names:
