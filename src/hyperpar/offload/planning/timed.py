@@ -7,15 +7,17 @@ before it) and knows what ``simulate`` will count:
   list issues its H2D (in-flight copies count against the budget);
 - an H2D hides only if it is issued early enough to finish before its consumer.
 
-Each round: (1) take "hidden" gaps, whose copies fit in the compute window (H2D issued
-as late as still finishes in time: least memory, no wait), longest relief first, while
-some op in their relief is over budget; (2) if ops are still over, take "exposed" gaps
-or extend hidden ones, whose H2D is issued at the consumer (costs wait, buys memory);
-(3) lay the copies out on their lanes exactly (D2H in issue order as soon as possible,
-H2D as late as possible in deadline order) and recompute every relief. Rounds repeat
-while lane contention leaves ops over budget. Finally every H2D is pulled as early as
-the budget allows, which absorbs lane jitter and shortens exposed waits. What stays
-over budget is reported by ``simulate`` as the deficit.
+(1) "Hidden" gaps, whose copies fit in the compute window (H2D issued as late as still
+lands in time: least memory, no wait), are decided in D2H issue order, so each copy's
+finish on the FIFO D2H lane is exact when its relief is judged; one is taken iff some op
+of its relief is over budget. (2) If ops are still over, "exposed" gaps are taken, or
+hidden ones extended, with the H2D at the consumer (memory bought with wait). (3) The
+copies are laid out on their lanes exactly (D2H as soon as possible in issue order, H2D
+as late as possible in deadline order) and every relief recomputed; (2) and (3) repeat
+while lane contention leaves ops over budget. (4) Exposed copies the final peak does
+not need are dropped if the simulator agrees. (5) Every H2D is pulled as early as the
+budget allows (up to twice its copy time ahead), keeping the lane's order, to absorb
+jitter and shorten exposed waits. What stays over budget is ``simulate``'s deficit.
 """
 
 from __future__ import annotations
@@ -131,7 +133,7 @@ class _TimedPlan:
                 self._select_hidden_in_issue_order()
             # later rounds add no hidden gaps: judged off the lane, their copies would
             # delay every later D2H on the FIFO lane and move peaks rather than cut them
-            took = self._select(hidden=False)
+            took = self._select_exposed()
             if not took and rounds > 1:
                 break
             self.lay_out_lanes()
@@ -204,24 +206,13 @@ class _TimedPlan:
         lo_all[idx] = np.asarray(los, dtype=np.int64)
         self.resident = relieve(self.resident, lo_all, hidden_hi, g.size, idx)
 
-    def _select(self, hidden: bool = True) -> bool:
+    def _select_exposed(self) -> bool:
+        """For ops still over budget: new gaps relieved up to their consumer, or taken ones
+        extended there; their H2D is issued at the consumer (memory bought with wait)."""
         g, budget = self.gaps, self.budget
-        relief_lo = self.first_relieved
-        took = False
-        if hidden:
-            # (1) hidden gaps not yet taken: longest relief in time first, then largest
-            hidden_hi = self.hidden_h2d_op - 1
-            cand = np.flatnonzero(~self.taken & (hidden_hi >= relief_lo))
-            span = self.op_start[np.minimum(hidden_hi[cand] + 1, self.n - 1)] - self.op_start[relief_lo[cand]]
-            cand = cand[np.lexsort((g.sid[cand], g.start[cand], -g.size[cand], -span))]
-            got = cand[take_covering(self.resident, budget, relief_lo[cand], hidden_hi[cand], g.size[cand])]
-            self.taken[got] = True
-            self.h2d_op[got] = self.hidden_h2d_op[got]
-            self.resident = relieve(self.resident, relief_lo, hidden_hi, g.size, got)
-            took = len(got) > 0
         if int(self.resident.max()) <= budget:
-            return took
-        # (2) exposed: new gaps relieved up to the consumer, or taken ones extended there
+            return False
+        relief_lo = self.first_relieved
         lo = np.where(self.taken, self.h2d_op, relief_lo)
         hi = g.end - 1
         cand = np.flatnonzero(~self.pinned & (hi >= lo))
@@ -232,7 +223,7 @@ class _TimedPlan:
         self.taken[got] = True
         self.pinned[got] = True
         self.h2d_op[got] = g.end[got]
-        return took or len(got) > 0
+        return len(got) > 0
 
     # --- lanes ----------------------------------------------------------------------
     def lay_out_lanes(self) -> None:
