@@ -19,6 +19,7 @@ import torch
 from hypothesis import strategies as st
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 from hyperpar.offload import skip_offload
 
@@ -26,7 +27,8 @@ B, D = 4, 8
 KINDS = (
     "unary", "binary", "linear", "pair_matmul", "reduce", "max_tuple", "var_mean", "view_t",
     "view_expand", "split_cat", "stack", "foreach", "inplace_fresh", "inplace_nograd", "inplace_any",
-    "dropout", "opaque", "opaque_nograd",
+    "dropout", "opaque", "opaque_nograd", "checkpoint", "norm_softmax", "index", "unbind", "inplace_view",
+    "embedding", "conv", "where", "dtype",
 )
 UNARY = (torch.sin, torch.tanh, torch.relu, torch.sigmoid, torch.neg, lambda t: t * 0.5)
 
@@ -96,10 +98,11 @@ class RandomProgram(nn.Module):
         if kind == "var_mean":
             var, mean = torch.var_mean(a, dim=0, keepdim=True)
             return [(b - mean) * torch.rsqrt(var + 1.0)]
+        rows = a.shape[0]
         if kind == "view_t":
-            return [a.reshape(D, B).t()]  # non-contiguous view of a's storage
+            return [a.reshape(D, rows).t()]  # non-contiguous view of a's storage
         if kind == "view_expand":
-            return [a[v % B:v % B + 1].expand(B, D)]
+            return [a[v % rows:v % rows + 1].expand(rows, D)]
         if kind == "split_cat":
             left, right = torch.split(a, D // 2, dim=1)
             return [torch.cat([right, left * 2.0], dim=1), left.repeat(1, 2)]
@@ -139,4 +142,37 @@ class RandomProgram(nn.Module):
             with torch.no_grad():
                 u, w = opaque_region(a * 1.0, b * 1.0)
             return [u + b, w]
+        if kind == "checkpoint":  # recomputed in backward, dropout included
+            return [checkpoint(_checkpointed, a, b, self.weights[v % 3], use_reentrant=False)]
+        if kind == "norm_softmax":
+            h = F.layer_norm(a, (D,))
+            return [h.softmax(-1) + F.log_softmax(b, dim=-1)]
+        if kind == "index":
+            idx = torch.arange(rows - 1, -1, -1, device=a.device)
+            out = a.index_select(0, idx).scatter_add(1, (idx % D).unsqueeze(1).expand(rows, 2), b[:, :2])
+            return [out.index_put((idx[:1],), c[:1] * 2.0)]
+        if kind == "unbind":
+            scaled = torch.stack([r * (i + 1) for i, r in enumerate(a.unbind(0))])
+            return [scaled, b.chunk(2, dim=1)[v % 2].repeat(1, 2)]
+        if kind == "inplace_view":
+            y = a * 1.0
+            y[:, v % D].mul_(2.0)  # through a view: CopySlices
+            y.diagonal().add_(b.diagonal())
+            return [y]
+        if kind == "embedding":
+            ids = a.argmax(dim=1)  # integer activations, no grad
+            return [F.embedding(ids, self.weights[v % 3]) + b, ids.float().unsqueeze(1).expand(rows, D)]
+        if kind == "conv":
+            w = self.weights[v % 3][:, : 3].unsqueeze(1)  # [D, 1, 3]: depthwise over the D channels
+            return [F.conv1d(a.t().unsqueeze(0), w, padding=1, groups=D).squeeze(0).t()]
+        if kind == "where":
+            return [torch.where(a > b, a, c * 0.5).masked_fill(b < -1.0, 0.25)]
+        if kind == "dtype":
+            wide = a.double() * b.double()
+            half = (a * 0.1).to(torch.bfloat16) + c.to(torch.bfloat16)
+            return [wide.float(), half.float()]
         raise AssertionError(kind)
+
+
+def _checkpointed(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.dropout(torch.tanh(a @ w) * b, p=0.2, training=True)

@@ -35,16 +35,22 @@ def _step(model: RandomProgram, x: torch.Tensor, seed: int,
     return loss.detach(), None
 
 
-def check_program(program: list[Instr], budget: int, planner: str = "greedy") -> None:
+def check_program(program: list[Instr], budget: int, planner: str = "greedy",
+                  batches: tuple[int, ...] = (B,) * STEPS, accumulate: tuple[bool, ...] = ()) -> None:
+    """With the default same-shaped batches every replay must match the trace (no divergence);
+    other ``batches`` force re-traces. ``accumulate[i]`` keeps the gradients of step i (no
+    zero_grad), so the next backward accumulates into existing ``.grad`` tensors: a different
+    op sequence (``add_`` instead of ``detach``), hence also a re-trace."""
+    fixed = len(set(batches)) == 1 and not any(accumulate[:len(batches) - 1])
     torch.manual_seed(0)
     plain = RandomProgram(program)
     off = copy.deepcopy(plain)
-    session = OffloadSession(OffloadConfig(max_resident_activation_mb=budget / MIB,
-                                           planner=planner, on_divergence="raise"))
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=budget / MIB, planner=planner,
+                                           on_divergence="raise" if fixed else "retrace"))
     gen = torch.Generator().manual_seed(1)
-    for step in range(STEPS):
-        where = f"step {step} at budget {budget} B"
-        x = torch.randn(B, D, generator=gen)
+    for step, rows in enumerate(batches):
+        where = f"step {step} (batches {batches}) at budget {budget} B"
+        x = torch.randn(rows, D, generator=gen)
         loss_a, err_a = _step(plain, x.clone(), 100 + step, None)
         loss_b, err_b = _step(off, x.clone(), 100 + step, session)
         assert session.tracked_storages() == 0, where
@@ -56,8 +62,9 @@ def check_program(program: list[Instr], budget: int, planner: str = "greedy") ->
             assert session.held_bytes() == 0, where
             return
         assert session.last_report is not None
-        assert session.last_report.phase == ("warmup" if step == 0 else "replay"), where
-        assert session.last_report.diverged_at is None, where
+        if fixed:
+            assert session.last_report.phase == ("warmup" if step == 0 else "replay"), where
+            assert session.last_report.diverged_at is None, where
         assert same_bits(loss_a, loss_b), f"{where}: loss {loss_a} != {loss_b}"
         for (name, pa), pb in zip(plain.named_parameters(), off.parameters(), strict=True):
             assert same_bits(pa.grad, pb.grad), f"{where}: grad of {name}"
@@ -66,6 +73,8 @@ def check_program(program: list[Instr], budget: int, planner: str = "greedy") ->
                 if pa.grad is not None:
                     pa.sub_(0.05 * pa.grad)
                     pb.sub_(0.05 * pb.grad)
+        if step < len(accumulate) and accumulate[step]:
+            continue
         plain.zero_grad(set_to_none=True)
         off.zero_grad(set_to_none=True)
 
@@ -96,3 +105,15 @@ def test_opaque_input_shared_outside_the_region(budget: int) -> None:
     """Found by the fuzz test: ``v`` feeds both the region and the loss; its gradient is summed
     in a different order (region's inner uses first), so ``bias.grad`` differs in the last bit."""
     check_program([Instr("opaque_shared", 0, 1, 0, 0)], budget)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None)
+@given(program=programs, budget=BUDGETS, batches=st.lists(st.sampled_from([2, 4, 5]), min_size=3, max_size=5),
+       accumulate=st.lists(st.booleans(), min_size=5, max_size=5))
+def test_changing_batches_and_accumulated_grads_stay_bitwise_equal(program: list[Instr], budget: int,
+                                                                   batches: list[int],
+                                                                   accumulate: list[bool]) -> None:
+    """Re-traces on a changed batch (``on_divergence="retrace"``) and gradients that accumulate
+    into ``.grad`` over several steps."""
+    torch.set_num_threads(1)
+    check_program(program, budget, "greedy", tuple(batches), tuple(accumulate))
