@@ -40,7 +40,7 @@ def _row(cells: list[str], widths: list[int]) -> str:
 def run(args: argparse.Namespace) -> int:
     from hyperpar.offload.ir import ActivationTrace, IRFormatError
     from hyperpar.offload.planning import simulate, verify
-    from hyperpar.offload.planning.bounds import min_feasible_budget
+    from hyperpar.offload.planning.bounds import min_feasible_budget, min_feasible_budget_timed
     from hyperpar.offload.planning.emit import emit_schedule
     from hyperpar.offload.planning.sweep import plan_point, sweep, with_budget
 
@@ -59,10 +59,11 @@ def run(args: argparse.Namespace) -> int:
     verify(trace, schedule)
 
     peak = baseline.peak_resident_bytes
-    floor = min_feasible_budget(trace)
+    floor, timed_floor = min_feasible_budget(trace), min_feasible_budget_timed(trace)
     print(f"trace {path}: {trace.num_ops} ops, {len(trace.storage_sizes)} storages, "
-          f"peak without offload {peak / MIB:.1f} MiB, feasible from {floor / MIB:.1f} MiB, "
-          f"D2H {trace.d2h_bandwidth_gbps:g} GB/s, H2D {trace.h2d_bandwidth_gbps:g} GB/s")
+          f"peak without offload {peak / MIB:.1f} MiB; D2H {trace.d2h_bandwidth_gbps:g} GB/s, "
+          f"H2D {trace.h2d_bandwidth_gbps:g} GB/s; no budget below {floor / MIB:.1f} MiB can be met, "
+          f"nor below {timed_floor / MIB:.1f} MiB without compute waiting for copies")
     head = ["planner", "budget MiB", "peak MiB", "step ms", "overhead", "wait ms", "moved MiB", "plan s"]
     widths = [8, 11, 10, 10, 9, 9, 10, 7]
     budget = f"{trace.memory_limit_bytes / MIB:.1f}"

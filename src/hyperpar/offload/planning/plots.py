@@ -10,6 +10,7 @@ from hyperpar.offload.planning.simulate import SimResult
 from hyperpar.offload.planning.sweep import PlanPoint
 
 GIB = float(1 << 30)
+MIB = float(1 << 20)
 
 
 def _pyplot() -> ModuleType:
@@ -25,11 +26,12 @@ def plot_resident(path: Path, without: Sequence[int], planned: SimResult, budget
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(10, 4))
     ops = range(len(without))
-    ax.plot(ops, [b / GIB for b in without], label="no offload", color="0.6", lw=1)
-    ax.plot(ops, [b / GIB for b in planned.resident_bytes], label="planned (simulated)", color="C0", lw=1)
-    ax.axhline(budget / GIB, color="C3", ls="--", lw=1, label="budget")
+    scale, unit = (GIB, "GiB") if max([*without, budget], default=0) >= GIB else (MIB, "MiB")
+    ax.plot(ops, [b / scale for b in without], label="no offload", color="0.6", lw=1)
+    ax.plot(ops, [b / scale for b in planned.resident_bytes], label="planned (simulated)", color="C0", lw=1)
+    ax.axhline(budget / scale, color="C3", ls="--", lw=1, label="budget")
     ax.set_xlabel("op")
-    ax.set_ylabel("resident activations (GiB)")
+    ax.set_ylabel(f"resident activations ({unit})")
     ax.set_title(title)
     ax.legend(loc="upper right")
     fig.tight_layout()
