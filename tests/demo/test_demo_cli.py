@@ -35,6 +35,8 @@ def test_demo_two_steps_losses_bitwise_equal(tmp_path: Path) -> None:
     assert any("replicas in sync: yes" in n for n in moe["notes"])
     # the table, the files
     assert "bitwise" in proc.stdout and "DIFFERENT" not in proc.stdout
+    for bar in ("baseline:", "offload:", "moe x2:"):  # one progress bar per run, finished
+        assert any(bar in line and "100%" in line for line in proc.stderr.replace("\r", "\n").splitlines())
     assert (out / "resident_bytes.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert ActivationTrace.load(out / "trace.json").num_ops == replay["op_count"]
     assert len(doc["resident_bytes_planned"]) == len(doc["resident_bytes_plain"]) == replay["op_count"]

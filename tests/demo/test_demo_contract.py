@@ -45,7 +45,9 @@ def test_differing_losses_exit_non_zero(tmp_path: Path, monkeypatch: pytest.Monk
     assert main([*TINY, "--out", str(tmp_path)]) == 1
     captured = capsys.readouterr()
     assert "DIFFERENT" in captured.out and "offload changed the numbers" in captured.err
-    assert json.loads((tmp_path / "demo.json").read_text())["losses_equal"] is False
+    doc = json.loads((tmp_path / "demo.json").read_text())
+    assert doc["losses_equal"] is False and doc["weights_equal"] is True
+    assert len(doc["differences"]) == 1 and doc["differences"][0].startswith("step 1: ")
 
 
 def test_without_matplotlib_the_png_is_skipped_with_a_note(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -63,6 +65,15 @@ def test_bad_arguments_name_the_flag(argv: list[str], word: str, capsys: pytest.
         main(["demo", *argv])
     assert exc.value.code == 2
     assert word in capsys.readouterr().err
+
+
+def test_bad_device_and_out_are_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*TINY, "--device", "gpu", "--out", str(tmp_path)]) == 2
+    assert "--device must be cpu or an available accelerator, got 'gpu'" in capsys.readouterr().err
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    assert main([*TINY, "--out", str(not_a_folder)]) == 2
+    assert "--out must be a folder" in capsys.readouterr().err
 
 
 def test_offload_run_equals_baseline_bitwise_at_a_quarter() -> None:

@@ -21,10 +21,11 @@ from tqdm import tqdm
 
 from hyperpar.demo.dense import (
     DemoSpec,
+    loss_differences,
     measure_activation_peak,
     planned_resident_bytes,
     train_dense,
-    weights_equal,
+    weight_differences,
 )
 from hyperpar.demo.moe_ranks import MoeRunError, MoeSettings, choose_backend, run_moe_ranks
 from hyperpar.demo.plot import matplotlib_available, plot_resident_bytes
@@ -89,9 +90,27 @@ def _deterministic(device: torch.device) -> None:
         torch.use_deterministic_algorithms(True, warn_only=True)
 
 
+def _device_or_none(text: str | None) -> torch.device | None:
+    try:
+        device = resolve_device(text)
+    except RuntimeError:
+        return None
+    if device.type == "cpu":
+        return device
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return device if acc is not None and acc.type == device.type else None
+
+
 def run(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
-    device = resolve_device(args.device)
+    device = _device_or_none(args.device)
+    if device is None:
+        print(f"hyperpar demo: --device must be cpu or an available accelerator, got {args.device!r}",
+              file=sys.stderr)
+        return 2
+    if args.out.exists() and not args.out.is_dir():
+        print(f"hyperpar demo: --out must be a folder, got the file {str(args.out)!r}", file=sys.stderr)
+        return 2
     _deterministic(device)
     cfg = SIZES[args.size]()
     spec = DemoSpec(cfg=cfg, batch_size=args.batch_size, seed=args.seed, device=device)
@@ -114,8 +133,11 @@ def run(args: argparse.Namespace) -> int:
         offload, off_model, session = train_dense(spec, args.steps, budget_bytes=budget, planner=args.planner,
                                                   on_step=on_step)
     assert session is not None
-    losses_equal = [x.hex() for x in baseline.losses] == [x.hex() for x in offload.losses]
-    same_weights = weights_equal(base_model, off_model)
+    differences = loss_differences(baseline.losses, offload.losses)
+    losses_equal = not differences
+    weights_differ = weight_differences(base_model, off_model)
+    same_weights = not weights_differ
+    differences += weights_differ
     plain, planned = planned_resident_bytes(session)
     result = DemoResult(
         settings={"size": args.size, "gpt": vars(cfg), "batch_size": args.batch_size, "steps": args.steps,
@@ -123,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
                   "planner": args.planner, "torch": torch.__version__, "moe_ranks": 0 if args.no_moe
                   else args.moe_ranks},
         runs=[baseline, offload], losses_equal=losses_equal, weights_equal=same_weights,
-        resident_bytes_plain=plain, resident_bytes_planned=planned)
+        resident_bytes_plain=plain, resident_bytes_planned=planned, differences=differences)
     _save_offload_files(result, session, out, budget, args)
 
     moe_failed = False
@@ -142,7 +164,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nlosses and final weights with and without offload: {verdict}; "
           f"total {result.total_s:.1f} s")
     if not (losses_equal and same_weights):
-        print("error: offload changed the numbers; please report this with demo.json", file=sys.stderr)
+        print("error: offload changed the numbers; please report this with demo.json:", file=sys.stderr)
+        for line in differences[:20]:
+            print(f"  {line}", file=sys.stderr)
         return 1
     return 1 if moe_failed else 0
 

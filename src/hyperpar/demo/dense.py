@@ -122,5 +122,20 @@ def planned_resident_bytes(session: OffloadSession) -> tuple[list[int], list[int
 
 
 def weights_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return not weight_differences(a, b)
+
+
+def weight_differences(a: torch.nn.Module, b: torch.nn.Module) -> list[str]:
+    """One line per parameter that is not bitwise equal (name and largest difference)."""
     pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
-    return pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
+    if pa.keys() != pb.keys():
+        return [f"parameter names differ: {sorted(pa.keys() ^ pb.keys())}"]
+    return [f"{k}: max |diff| {(pa[k].detach() - pb[k].detach()).abs().max().item():.3e}"
+            for k in pa if not torch.equal(pa[k], pb[k])]
+
+
+def loss_differences(a: list[float], b: list[float]) -> list[str]:
+    if len(a) != len(b):
+        return [f"step counts differ: {len(a)} vs {len(b)}"]
+    return [f"step {i}: {x!r} ({x.hex()}) vs {y!r} ({y.hex()})"
+            for i, (x, y) in enumerate(zip(a, b, strict=True)) if x.hex() != y.hex()]

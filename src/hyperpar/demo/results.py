@@ -44,6 +44,7 @@ class DemoResult:
     resident_bytes_planned: list[int] = field(default_factory=list)  # per op, simulated schedule
     files: dict[str, str] = field(default_factory=dict)
     total_s: float = 0.0
+    differences: list[str] = field(default_factory=list)  # what differs, baseline vs offload
 
     def run(self, name: str) -> RunResult | None:
         return next((r for r in self.runs if r.name == name), None)
@@ -58,4 +59,5 @@ class DemoResult:
             "resident_bytes_planned": self.resident_bytes_planned,
             "files": self.files,
             "total_s": self.total_s,
+            "differences": self.differences,
         }
