@@ -9,6 +9,8 @@ reachable, so a budget is feasible exactly when it is >= the floor's maximum.
 
 from __future__ import annotations
 
+import numpy as np
+
 from hyperpar.offload.ir import ActivationTrace
 from hyperpar.offload.planning.gaps import last_accesses
 
@@ -47,8 +49,6 @@ def min_resident_bytes_timed(trace: ActivationTrace) -> list[int]:
     ``t``; whatever of the movable bytes at ``k`` exceeds that must still be resident. (A
     schedule that makes compute wait gives its copies more time; it pays in wait.)
     """
-    import numpy as np
-
     from hyperpar.offload.planning.arrays import gap_arrays, resident_without_offload, trace_arrays
     from hyperpar.offload.planning.simulate import ms_per_byte
 
@@ -93,13 +93,12 @@ def exposed_wait_lower_bound(trace: ActivationTrace) -> float:
     ``m`` starts, through one H2D lane: if that takes longer than the compute between
     the end of ``k`` and the start of ``m``, compute waits for the difference. Waits of
     disjoint windows ``(k, m]`` add up; the bound is the best sum over disjoint windows
-    (a small dynamic program). Storages do not split, so at least the smallest one read
-    by ``m`` comes back. It ignores D2H, lane sharing across windows and the other ops'
-    budgets, so it can only be lower than the truth. Ops whose excess cannot
-    be moved at all are skipped (no schedule meets the budget there).
+    (a small dynamic program). Storages do not split: if the ones smaller than the bytes
+    needed cannot add up to them, a whole larger one comes back. It ignores D2H, lane
+    sharing across windows and the other ops' budgets, so it can only be lower than the
+    truth. Ops whose excess cannot be moved at all are skipped (no schedule meets the
+    budget there).
     """
-    import numpy as np
-
     from hyperpar.offload.planning.arrays import gap_arrays, resident_without_offload, trace_arrays
     from hyperpar.offload.planning.simulate import ms_per_byte
 
@@ -123,7 +122,7 @@ def exposed_wait_lower_bound(trace: ActivationTrace) -> float:
             must = need - int(sizes[reads > m].sum())
             if must <= 0:
                 continue
-            must = max(must, int(sizes[reads <= m].min()))  # storages do not split
+            must = _least_cover(sizes[reads <= m], must)
 
             wait = must * cost - (start_ms[m] - end_ms[k])
             if wait > 0:
@@ -135,3 +134,12 @@ def exposed_wait_lower_bound(trace: ActivationTrace) -> float:
             value = max(value, best[k + 1] + wait)
         best[i + 1] = max(best[i], value)
     return best[n]
+
+
+def _least_cover(sizes: np.ndarray, need: int) -> int:
+    """A lower bound on the least total of some of ``sizes`` adding up to ``need`` or more."""
+    small = sizes[sizes < need]
+    if int(small.sum()) >= need:
+        return need
+    large = sizes[sizes >= need]
+    return int(large.min()) if len(large) else need
