@@ -118,7 +118,9 @@ def route_rows(
 
 
 class MoeExpertsFunction(torch.autograd.Function):
-    """(hidden [T, H], topk_weights [T, K], gate_up [E_l, H, 2I], down [E_l, I, H]) -> [T, H]."""
+    """(hidden [T, H], topk_weights [T, K], gate_up [E_l, H, 2I], down [E_l, I, H]) -> [T, H].
+
+    The caller holds the workspace lease during forward; backward takes it itself."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -135,8 +137,8 @@ class MoeExpertsFunction(torch.autograd.Function):
             saved_pre.append(pre)
             return out
 
-        with workspace.lease("forward"):
-            expert_out = route_rows(hidden, True, plan, workspace, math, compute)
+        expert_out = route_rows(hidden, True, plan, workspace, math, compute)  # caller holds the lease
+        assert expert_out is not None
         hidden_size = hidden.shape[1]
         per_token = expert_out.view(tokens, top_k, hidden_size)
         weights = topk_weights.to(expert_out.dtype).view(tokens, 1, top_k)

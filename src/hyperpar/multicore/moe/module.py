@@ -193,10 +193,12 @@ class MoeExperts(MulticoreModule):
             problems.append("tokens_per_expert must be None or a tensor, "
                             f"got {type(tokens_per_expert).__name__}")
             tokens_per_expert = None
-        plan = build_route_plan(self._routing, topk_ids, num_tokens, tokens_per_expert, problems,
-                                _grad_needs(hidden_states, topk_weights, gate_up, down))
-        flat = hidden_states.reshape(num_tokens, cfg.hidden_size)
-        out = MoeExpertsFunction.apply(flat, topk_weights, gate_up, down, plan, workspace, self._math)
+        # The lease covers the plan too: its collective must not interleave with another call's.
+        with workspace.lease("forward"):
+            plan = build_route_plan(self._routing, topk_ids, num_tokens, tokens_per_expert, problems,
+                                    _grad_needs(hidden_states, topk_weights, gate_up, down))
+            flat = hidden_states.reshape(num_tokens, cfg.hidden_size)
+            out = MoeExpertsFunction.apply(flat, topk_weights, gate_up, down, plan, workspace, self._math)
         return out.view(hidden_states.shape)
 
     def extra_repr(self) -> str:
