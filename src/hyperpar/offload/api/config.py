@@ -10,6 +10,7 @@ import torch
 
 PLANNER_CHOICES = ("greedy", "timed")
 DIVERGENCE_CHOICES = ("retrace", "raise")
+COPY_ENGINE_CHOICES = ("auto", "sync", "thread", "stream")
 MIB = 1 << 20
 
 
@@ -41,7 +42,9 @@ class OffloadConfig:
     planner: Any = "greedy"  # "greedy" | "timed" | an object with build(trace) -> schedule
     device: str | torch.device | None = None
     on_divergence: str = "retrace"
-    verify: bool = False  # checksum host copies (accepted now, enforced by the async runtime)
+    verify: bool = False  # checksum every host copy at D2H, check it when the bytes come back
+    copy_engine: Any = "auto"  # "auto" | "sync" | "thread" | "stream" | an engine object (tests)
+    timeline: bool = False  # record replay op times for export_chrome_trace (costs ~2 us per op)
 
     def __post_init__(self) -> None:
         _check_mb("max_resident_activation_mb", self.max_resident_activation_mb)
@@ -72,6 +75,15 @@ class OffloadConfig:
             )
         if not isinstance(self.verify, bool):
             raise TypeError(f"OffloadConfig.verify must be a bool, got {self.verify!r}")
+        if isinstance(self.copy_engine, str):
+            if self.copy_engine not in COPY_ENGINE_CHOICES:
+                raise ValueError(f"OffloadConfig.copy_engine must be one of {COPY_ENGINE_CHOICES} or an "
+                                 f"engine object, got {self.copy_engine!r}")
+        elif not callable(getattr(self.copy_engine, "copy_d2h", None)):
+            raise TypeError(f"OffloadConfig.copy_engine must be an engine name or an object with "
+                            f"copy_d2h/copy_h2d, got {self.copy_engine!r}")
+        if not isinstance(self.timeline, bool):
+            raise TypeError(f"OffloadConfig.timeline must be a bool, got {self.timeline!r}")
 
     @property
     def budget_bytes(self) -> int:

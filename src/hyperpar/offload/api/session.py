@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import time
+from pathlib import Path
 from types import TracebackType
 
 import torch
@@ -24,7 +25,15 @@ from hyperpar.offload.capture import (
 )
 from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
 from hyperpar.offload.ir.report import StepReport
-from hyperpar.offload.runtime import HostPool, ResidencyManager, SyncCopyEngine, measure_bandwidth_gbps
+from hyperpar.offload.runtime import (
+    CopyEngine,
+    HostPool,
+    OpTimer,
+    ResidencyManager,
+    StepTimeline,
+    make_copy_engine,
+    probe_link,
+)
 
 logger = logging.getLogger(__name__)
 _ACTIVE: contextvars.ContextVar[OffloadSession | None] = contextvars.ContextVar(
@@ -52,7 +61,14 @@ class OffloadSession:
         self._program: ReplayProgram | None = None
         self._keys: list[object] | None = None
         self._pool = HostPool(config.offload_cap_bytes, pin_memory=self.device.type != "cpu")
-        self._manager = ResidencyManager(self.device, self._pool, SyncCopyEngine())
+        engine: CopyEngine = (make_copy_engine(self.device, config.copy_engine)
+                              if isinstance(config.copy_engine, str) else config.copy_engine)
+        self._manager = ResidencyManager(self.device, self._pool, engine, verify=config.verify)
+        self._timer = OpTimer(self.device)
+        self._record_timeline = config.timeline
+        self._timeline: StepTimeline | None = None
+        self._predicted_ms: float | None = None
+        self.link_bandwidth: dict[str, object] | None = None
         self._executor: ExecutorBase | None = None
         self._mode: OffloadDispatchMode | None = None
         self._token: contextvars.Token[OffloadSession | None] | None = None
@@ -65,6 +81,23 @@ class OffloadSession:
     def held_bytes(self) -> int:
         """Host bytes held by the pool (in use or cached for reuse)."""
         return self._pool.held_bytes
+
+    @property
+    def copy_engine_name(self) -> str:
+        return str(getattr(self._manager.engine, "name", type(self._manager.engine).__name__))
+
+    def host_allocations(self) -> int:
+        """New host allocations the pool has made so far (flat once the sizes repeat)."""
+        return self._pool.allocations
+
+    def export_chrome_trace(self, path: str | Path) -> Path:
+        """Write the last replay's timeline (ops, D2H, H2D tracks) as Chrome trace JSON."""
+        if self._timeline is None:
+            raise RuntimeError(
+                "export_chrome_trace: no replay timeline yet (replay steps record it when "
+                "OffloadConfig(timeline=True))"
+            )
+        return self._timeline.write_chrome_trace(path)
 
     def tracked_storages(self) -> int:
         """Storages in the residency table (0 between steps)."""
@@ -79,16 +112,24 @@ class OffloadSession:
         m = self._manager
         m.clear()
         m.bytes_d2h = m.bytes_h2d = m.demand_faults = m.cap_hits = 0
+        self._pool.new_step()
         budget = self.config.budget_bytes
         if self.phase == "replay" and self._program is not None:
             executor: ExecutorBase = ReplayExecutor(m, self.device, budget, self._program,
                                                     self.config.on_divergence)
+            if self._record_timeline:
+                executor.timer = self._timer
         else:
             executor = WarmupExecutor(m, self.device, budget)
+            executor.timer = self._timer
+        m.describe_op = executor.describe_op
         self._executor = executor
         self._mode = OffloadDispatchMode(executor)
         self._token = _ACTIVE.set(self)
         self._sync()
+        m.engine.begin_step()
+        if executor.timer is not None:
+            executor.timer.begin_step()
         self._t0 = time.perf_counter()
         self._mode.__enter__()
         return self
@@ -107,6 +148,8 @@ class OffloadSession:
             self._sync()
             step_ms = (time.perf_counter() - self._t0) * 1e3
             report, pending = executor.finish(clean, step_ms)
+            self._manager.engine.end_step()
+            report.exposed_wait_ms = self._manager.engine.exposed_wait_ms()
             if clean:
                 self._after_clean_step(executor, report)
         except BaseException as cleanup_error:
@@ -126,16 +169,23 @@ class OffloadSession:
 
     def _after_clean_step(self, executor: ExecutorBase, report: StepReport) -> None:
         if isinstance(executor, WarmupExecutor):
-            d2h, h2d = measure_bandwidth_gbps(self.device)
-            trace = executor.build_trace(d2h, h2d)
+            link = probe_link(self.device, self._manager.engine)
+            self.link_bandwidth = link.as_dict()
+            trace = executor.build_trace(link.d2h_gbps, link.h2d_gbps)
             schedule = self.config.resolved_planner().build(trace)
+            predicted = schedule.notes.get("predicted_step_ms")
+            if not isinstance(predicted, (int, float)) or isinstance(predicted, bool):
+                from hyperpar.offload.planning import simulate  # planning sits beside capture
+
+                predicted = simulate(trace, schedule).predicted_step_ms
+            self._predicted_ms = float(predicted)
             self._program = ReplayProgram.build(trace, schedule, executor.keys)
             self.trace, self.schedule = trace, schedule
             self.phase = "replay"
         elif isinstance(executor, ReplayExecutor):
-            predicted = self.schedule.notes.get("predicted_step_ms") if self.schedule else None
-            if isinstance(predicted, (int, float)) and not isinstance(predicted, bool):
-                report.predicted_step_ms = float(predicted)
+            report.predicted_step_ms = self._predicted_ms
+            if executor.timer is not None:
+                self._timeline = executor.timeline(self._manager.engine.spans())
             if report.diverged_at is not None and self.config.on_divergence == "retrace":
                 self.phase = "warmup"  # re-trace at the next entry ("raise" leaves the phase as it is)
         self.last_report = report

@@ -8,7 +8,8 @@ import torch
 
 from hyperpar.offload.capture.op_args import storage_of, tensor_inputs
 from hyperpar.offload.ir.report import StepReport
-from hyperpar.offload.runtime import ResidencyManager
+from hyperpar.offload.runtime import OpTimer, ResidencyManager, StepTimeline
+from hyperpar.offload.runtime.copy_engine import CopySpan
 
 
 class ExecutorBase:
@@ -21,6 +22,8 @@ class ExecutorBase:
         self.opaque_depth = 0  # > 0 inside skip_offload: ops run untraced
         self.passthrough = 0  # > 0 while our own copies run: ops run untouched
         self.closed = False
+        self.timer: OpTimer | None = None  # op boundaries (warmup: durations; replay: timeline)
+        self.op_marks: list[tuple[str, int, int]] = []  # (name, begin mark, end mark)
 
     def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.passthrough:
@@ -33,8 +36,9 @@ class ExecutorBase:
     def untraced_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """An op inside a skip_offload region: not traced, but a 0-byte (evicted) storage
         must still never reach a kernel."""
-        if self.manager.evicted:
-            self.manager.page_in_inputs(tensor_inputs(args, kwargs))
+        m = self.manager
+        if m.evicted or m.inflight:
+            m.page_in_inputs(tensor_inputs(args, kwargs))
 
     def device_storages(self, tensors: list[torch.Tensor]) -> list[torch.UntypedStorage]:
         dev = self.device
@@ -52,6 +56,22 @@ class ExecutorBase:
             entry = m.evicted.get(st._cdata)
             if entry is not None and entry.ref() is st:
                 m.copy_h2d(entry, demand=True)
+                continue
+            entry = m.inflight.get(st._cdata)
+            if entry is not None and entry.ref() is st:
+                m.wait_h2d(entry)
+
+    def describe_op(self) -> str:
+        """Names the op now running, for error messages."""
+        return "outside an op"
+
+    def timeline(self, copies: list[CopySpan]) -> StepTimeline:
+        """The step's ops (from the timer's marks) with the engine's copies."""
+        timer = self.timer
+        times = timer.times_ms() if timer is not None else []
+        ops = [(name, times[b], times[e]) for name, b, e in self.op_marks if e < len(times)]
+        clock = "device" if timer is not None and timer.use_events else "host"
+        return StepTimeline(ops=ops, copies=list(copies), clock=clock)
 
     # --- per phase ------------------------------------------------------------------
     def run_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -15,7 +15,7 @@ import torch
 
 from hyperpar.offload.capture.errors import OffloadDivergenceError
 from hyperpar.offload.capture.executor_base import ExecutorBase
-from hyperpar.offload.capture.op_args import output_leaves, tensor_inputs
+from hyperpar.offload.capture.op_args import output_leaves, tensor_inputs, written_tensors
 from hyperpar.offload.capture.replay_program import (
     D2H,
     H2D,
@@ -58,6 +58,7 @@ class ReplayExecutor(ExecutorBase):
         self.peak_op: int | None = None
         self._n = program.num_ops
         self._raise = on_divergence == "raise"
+        self._opaque_marks: list[int] = []
 
     # --- ops (the hot path) ---------------------------------------------------------
     def run_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -72,9 +73,20 @@ class ReplayExecutor(ExecutorBase):
         if pre is not None:
             self._act(pre)
         m = self.manager
-        if m.evicted:
+        if m.pending_free:
+            m.reap()
+        if m.evicted or m.inflight:
             m.page_in_inputs(tensor_inputs(args, kwargs))
-        out = func(*args, **kwargs)
+        writes = p.writes[i]
+        if writes is not None:
+            self._before_writes(writes)
+        timer = self.timer
+        if timer is None:
+            out = func(*args, **kwargs)
+        else:
+            begin = timer.mark()
+            out = func(*args, **kwargs)
+            self.op_marks.append((p.names[i], begin, timer.mark()))
         if type(out) is Tensor:
             meta = p.meta[i]
             m0 = meta[0] if len(meta) == 1 else None
@@ -91,9 +103,28 @@ class ReplayExecutor(ExecutorBase):
         return out
 
     def _run_safe(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if self.manager.evicted:
-            self.manager.page_in_inputs(tensor_inputs(args, kwargs))
+        m = self.manager
+        if m.pending_free:
+            m.reap()
+        if m.evicted or m.inflight:
+            m.page_in_inputs(tensor_inputs(args, kwargs))
+        if m.pending_d2h_writes_possible():
+            m.wait_d2h_of(self.device_storages(written_tensors(func, args, kwargs)))
         return func(*args, **kwargs)
+
+    def _before_writes(self, writes: tuple[int, ...]) -> None:
+        """An op writing a storage waits for its copy out to have read the old bytes."""
+        m = self.manager
+        entries = m.entries
+        for sid in writes:
+            entry = entries.get(sid)
+            if entry is not None and entry.d2h_event is not None:
+                m.wait_d2h(entry)
+
+    def describe_op(self) -> str:
+        i = self.index - 1
+        name = self.program.names[i] if 0 <= i < self._n else "-"
+        return f"at op {i} ({name})"
 
     def _after(self, i: int, leaves: list[Any] | None, out: Any) -> None:
         p, m = self.program, self.manager
@@ -102,7 +133,7 @@ class ReplayExecutor(ExecutorBase):
             if leaves is None:
                 leaves = [out]
             for leaf, sid in binds:
-                m.bind(sid, leaves[leaf].untyped_storage())
+                m.bind(sid, leaves[leaf].untyped_storage(), i)
         writes = p.writes[i]
         if writes is not None:
             entries = m.entries
@@ -160,11 +191,19 @@ class ReplayExecutor(ExecutorBase):
         pre = p.pre[i]
         if pre is not None:
             self._act(pre)
-        if self.manager.evicted:
+        m = self.manager
+        if m.evicted or m.inflight:
             self.page_in_storages(reads)
+        writes = p.writes[i]
+        if writes is not None:
+            self._before_writes(writes)
+        if self.timer is not None:
+            self._opaque_marks.append(self.timer.mark())
         return i
 
     def end_opaque(self, token: int | None, outputs: list[Tensor]) -> None:
+        if token is not None and self.timer is not None and self._opaque_marks:
+            self.op_marks.append((self.program.names[token], self._opaque_marks.pop(), self.timer.mark()))
         if token is None or self.safe:
             return
         leaves = list(outputs)

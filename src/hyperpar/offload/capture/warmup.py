@@ -59,17 +59,26 @@ class WarmupExecutor(ExecutorBase):
         self.peak_bytes = 0
         self.peak_op: int | None = None
         self._regions: list[_OpState] = []  # open skip_offload regions, innermost last
+        self._current = "-"
+        self._gaps_ms: list[float] = []  # host time between the previous op's return and this op
+        self._last_exit = time.perf_counter()
+
+    def describe_op(self) -> str:
+        return f"at op {len(self.ops)} ({self._current})"
 
     # --- ops ------------------------------------------------------------------------
     def run_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self._gaps_ms.append((time.perf_counter() - self._last_exit) * 1e3)
         reads = self.device_storages(tensor_inputs(args, kwargs))
         writes = self.device_storages(written_tensors(func, args, kwargs))
         state = self._begin(func, op_name(func), reads, writes)
         out = func(*args, **kwargs)
         self._end(state, output_leaves(out))
+        self._last_exit = time.perf_counter()
         return out
 
     def begin_opaque(self, name: str, reads: list[torch.UntypedStorage]) -> _OpState:
+        self._gaps_ms.append((time.perf_counter() - self._last_exit) * 1e3)
         state = self._begin(name, name, reads, [])
         self._regions.append(state)
         return state
@@ -78,6 +87,7 @@ class WarmupExecutor(ExecutorBase):
         if self._regions and self._regions[-1] is token:
             self._regions.pop()
         self._end(token, list(outputs))
+        self._last_exit = time.perf_counter()
 
     def untraced_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Activations a region reads or writes without taking them as arguments (a captured
@@ -103,6 +113,8 @@ class WarmupExecutor(ExecutorBase):
     def _begin(self, key: Any, name: str, reads: list[torch.UntypedStorage],
                writes: list[torch.UntypedStorage]) -> _OpState:
         m = self.manager
+        if m.pending_free:
+            m.reap()
         kinds: dict[int, AccessKind] = {}
         in_keys: set[int] = set()
         for st in reads:
@@ -123,6 +135,10 @@ class WarmupExecutor(ExecutorBase):
                 heapq.heappush(self._heap, (entry.producer_op, -entry.nbytes, sid))
         self._enforce_budget(kinds)
         state = _OpState(len(self.ops), key, name, kinds, in_keys)
+        self._current = name
+        if self.timer is not None:  # events on an accelerator, read once at the end of the step
+            state.t0 = self.timer.mark()
+            return state
         if self._events:
             state.start_event = torch.Event(device=self.device, enable_timing=True)
             state.start_event.record()
@@ -130,7 +146,10 @@ class WarmupExecutor(ExecutorBase):
         return state
 
     def _end(self, state: _OpState, leaves: list[Any]) -> None:
-        if state.start_event is not None:
+        if self.timer is not None:
+            self.op_marks.append((state.name, int(state.t0), self.timer.mark()))
+            duration_ms = 0.0  # filled in from the timer's marks by build_trace
+        elif state.start_event is not None:
             end = torch.Event(device=self.device, enable_timing=True)
             end.record()
             end.synchronize()
@@ -228,6 +247,11 @@ class WarmupExecutor(ExecutorBase):
     def build_trace(self, d2h_gbps: float, h2d_gbps: float) -> ActivationTrace:
         """Call after finish(): storages still bound are alive, hence retained."""
         retained = frozenset(sid for sid, e in self.manager.entries.items() if e.ref() is not None)
+        if self.timer is not None:
+            times = self.timer.times_ms()
+            gaps = self._gaps_ms if not self.timer.use_events else [0.0] * len(self.ops)
+            for op, (_, begin, end), gap in zip(self.ops, self.op_marks, gaps, strict=True):
+                op.duration_ms = max(times[end] - times[begin], 0.0) + gap
         return ActivationTrace(
             ops=self.ops, storage_sizes=dict(self.storage_sizes), retained_sids=retained,
             memory_limit_bytes=self.budget_bytes, d2h_bandwidth_gbps=d2h_gbps,

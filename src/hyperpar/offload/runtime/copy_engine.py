@@ -1,36 +1,131 @@
 """The copy contract between device and host: start a copy, get an event, wait on it.
 
-Only the synchronous engine exists now (each copy is complete when the call returns);
-an asynchronous engine (copy streams, or a worker thread on CPU) can replace it without
-touching the residency manager, which always waits on the event before reading.
+Three engines keep one contract, so the residency manager never asks which one it has:
+``SyncCopyEngine`` (each copy complete when the call returns), ``StreamCopyEngine``
+(accelerator copy streams, one per direction) and ``ThreadCopyEngine`` (on CPU, one worker
+thread per direction), the last two asynchronous. A copy may name an event it must start
+after (``after``): the host slab's previous copy, or the storage's copy the other way.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
+D2H_LANE, H2D_LANE = "D2H", "H2D"
+
+
+@dataclass(slots=True)
+class CopySpan:
+    """One copy on a transfer lane, in ms from the start of the step (for the timeline)."""
+
+    lane: str
+    label: int  # the storage id, or -1
+    nbytes: int
+    start_ms: float
+    end_ms: float
+
 
 class CopyEngine(Protocol):
-    def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Event | None: ...
+    name: str
+    asynchronous: bool
 
-    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Event | None: ...
+    def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None, label: int = -1) -> Any:
+        """Start copying device bytes ``src`` to host ``dst``; returns an event (None: done)."""
 
-    def wait(self, event: torch.Event | None) -> None: ...
+    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None, label: int = -1) -> Any:
+        """Start copying host bytes ``src`` to device ``dst``; returns an event (None: done)."""
+
+    def is_done(self, event: Any) -> bool: ...
+
+    def wait(self, event: Any) -> None:
+        """The compute side waits for ``event`` (on a stream: without blocking the host)."""
+
+    def may_free_now(self, src: torch.Tensor, event: Any) -> bool:
+        """Whether the device memory a D2H reads may be freed now (else: once ``is_done``)."""
+
+    def poll(self) -> None:
+        """Compute-side housekeeping between ops (cheap when there is nothing to do)."""
+
+    def begin_step(self) -> None: ...
+
+    def end_step(self) -> None:
+        """Wait for every copy; the step's spans and waits become readable."""
+
+    def synchronize(self) -> None: ...
+
+    def exposed_wait_ms(self) -> float: ...
+
+    def spans(self) -> list[CopySpan]: ...
+
+    def close(self) -> None: ...
 
 
 class SyncCopyEngine:
-    """Copies on the caller's stream; the returned event is None (already complete)."""
+    """Copies on the caller's stream; every event is None (already complete)."""
 
-    def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Event | None:
+    name = "sync"
+    asynchronous = False
+
+    def __init__(self) -> None:
+        self._spans: list[CopySpan] = []
+
+    def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None, label: int = -1) -> Any:
         dst.copy_(src)
         return None
 
-    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Event | None:
+    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None, label: int = -1) -> Any:
         dst.copy_(src)
         return None
 
-    def wait(self, event: torch.Event | None) -> None:
+    def is_done(self, event: Any) -> bool:
+        return True
+
+    def wait(self, event: Any) -> None:
         if event is not None:
             event.synchronize()
+
+    def may_free_now(self, src: torch.Tensor, event: Any) -> bool:
+        return True
+
+    def poll(self) -> None:
+        return None
+
+    def begin_step(self) -> None:
+        return None
+
+    def end_step(self) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def exposed_wait_ms(self) -> float:
+        return 0.0
+
+    def spans(self) -> list[CopySpan]:
+        return self._spans
+
+    def close(self) -> None:
+        return None
+
+
+def make_copy_engine(device: torch.device, kind: str = "auto") -> CopyEngine:
+    """``auto``: copy streams on an accelerator, worker threads on CPU; or ``sync``/``thread``/``stream``."""
+    if kind == "auto":
+        kind = "thread" if device.type == "cpu" else "stream"
+    if kind == "sync":
+        return SyncCopyEngine()
+    if kind == "thread":
+        from hyperpar.offload.runtime.thread_copy_engine import ThreadCopyEngine
+
+        return ThreadCopyEngine()
+    if kind == "stream":
+        if device.type == "cpu":
+            raise ValueError("copy engine 'stream' needs an accelerator device, got cpu")
+        from hyperpar.offload.runtime.stream_copy_engine import StreamCopyEngine
+
+        return StreamCopyEngine(device)
+    raise ValueError(f"copy engine must be 'auto', 'sync', 'thread' or 'stream', got {kind!r}")

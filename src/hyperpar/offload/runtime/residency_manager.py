@@ -8,6 +8,12 @@ cost, and views, identity and version counters are untouched (copies go through 
 uint8 alias). The price: a 0-byte storage must never reach a kernel, so capture pages
 every evicted input in before its op. Only weak references to device storages are held
 (a strong one would keep the memory alive); a storage's death arrives by weakref callback.
+
+Copies are asynchronous when the engine is. Each entry keeps the event of its in-flight
+D2H and H2D; an op waits only on the events of storages it reads or writes. A release
+whose D2H is still reading the device bytes is accounted at once but, where the engine
+cannot guard the memory itself (the CPU thread engine), the ``resize_(0)`` waits until the
+copy is done (``reap``); paging such a storage back in before then just cancels the free.
 """
 
 from __future__ import annotations
@@ -15,14 +21,21 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from hyperpar.offload.runtime.checksum import checksum
 from hyperpar.offload.runtime.copy_engine import CopyEngine
 from hyperpar.offload.runtime.host_pool import HostPool
 
 logger = logging.getLogger(__name__)
+
+
+class HostCopyCorruptedError(RuntimeError):
+    """``verify=True``: bytes that came back differ from the bytes that left."""
 
 
 def byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -42,25 +55,44 @@ class StorageEntry:
     host_current: bool = False
     evictable: bool = True
     offloaded: bool = False  # counted in ResidencyManager.offloaded_bytes
-    h2d_event: torch.Event | None = None
+    h2d_event: Any = None  # in-flight copy into the device storage
+    d2h_event: Any = None  # in-flight copy out of the device storage
+    host_event: Any = None  # the last copy that used the host slab
+    free_pending: bool = False  # released, but the device bytes wait for their D2H to finish
+    checksum: tuple[int, int] | None = None  # verify mode: of the bytes the D2H copied
 
 
 class ResidencyManager:
     """The sid -> entry table, and the four actions of a schedule on it."""
 
-    def __init__(self, device: torch.device, pool: HostPool, engine: CopyEngine) -> None:
+    def __init__(self, device: torch.device, pool: HostPool, engine: CopyEngine,
+                 verify: bool = False) -> None:
         self.device = device
         self.pool = pool
         self.engine = engine
+        self.verify = verify
         self.entries: dict[int, StorageEntry] = {}
         self.by_key: dict[int, StorageEntry] = {}
         self.evicted: dict[int, StorageEntry] = {}  # key -> alive, non-resident entry
+        self.inflight: dict[int, StorageEntry] = {}  # key -> resident entry whose H2D is not waited on
+        self.pending_free: list[StorageEntry] = []
         self.resident_bytes = 0  # bound, alive, resident bytes
         self.offloaded_bytes = 0  # released within their lifetime (not after the last access)
         self.bytes_d2h = 0
         self.bytes_h2d = 0
         self.demand_faults = 0
         self.cap_hits = 0
+        self.describe_op: Callable[[], str] = lambda: "outside an op"
+
+    @property
+    def engine(self) -> CopyEngine:
+        return self._engine
+
+    @engine.setter
+    def engine(self, engine: CopyEngine) -> None:
+        """Swappable between steps (tests inject failing or slow engines this way)."""
+        self._engine = engine
+        self._async = bool(getattr(engine, "asynchronous", False))
 
     # --- identity -------------------------------------------------------------------
     def bind(self, sid: int, storage: torch.UntypedStorage, producer_op: int = -1) -> StorageEntry:
@@ -93,6 +125,8 @@ class ResidencyManager:
         self.entries.pop(entry.sid, None)
         if self.by_key.get(entry.key) is entry:
             del self.by_key[entry.key]
+        if self.inflight.get(entry.key) is entry:
+            del self.inflight[entry.key]
         if entry.resident:
             self.resident_bytes -= entry.nbytes
         elif self.evicted.get(entry.key) is entry:
@@ -100,24 +134,41 @@ class ResidencyManager:
         if entry.offloaded:
             entry.offloaded = False
             self.offloaded_bytes -= entry.nbytes
+        entry.free_pending = False
         self._drop_host(entry)
 
     # --- actions --------------------------------------------------------------------
     def copy_d2h(self, entry: StorageEntry) -> bool:
-        """Make the host copy current. False when the pool is at its cap."""
+        """Start making the host copy current. False when the pool is at its cap."""
         if entry.host_current or not entry.resident:
             return entry.host_current
         storage = entry.ref()
         if storage is None:
             return False
         nbytes = storage.nbytes()
+        after = entry.host_event
         if entry.host is None or entry.host.numel() < nbytes:
             self._drop_host(entry)
-            entry.host = self.pool.acquire(nbytes)
-            if entry.host is None:
+            got = self.pool.acquire_with_event(nbytes)
+            if got is None:
                 self.cap_hits += 1
                 return False
-        self.engine.wait(self.engine.copy_d2h(entry.host[:nbytes], byte_view(storage)))
+            entry.host, after = got
+        if self._async:
+            self.engine.poll()  # drop finished copies' tensors here, on the compute thread
+        src = byte_view(storage)
+        if self.verify:
+            self._settle_h2d(entry)
+            entry.checksum = checksum(src)
+        dst = entry.host[:nbytes]
+        if self._async:
+            self._settle_h2d(entry)  # copying out bytes still arriving: rare, wait for them
+            event = self.engine.copy_d2h(dst, src, after, entry.sid)
+        else:
+            event = self.engine.copy_d2h(dst, src)
+            self.engine.wait(event)
+            event = None
+        entry.d2h_event = entry.host_event = event
         entry.nbytes = nbytes
         entry.host_current = True
         self.bytes_d2h += nbytes
@@ -131,11 +182,21 @@ class ResidencyManager:
         storage = entry.ref()
         if storage is None:
             return False
-        try:
-            storage.resize_(0)
-        except RuntimeError:  # not resizable (external memory): stays on the device
-            entry.evictable = False
-            return False
+        if entry.h2d_event is not None:
+            self._settle_h2d(entry)  # never free memory a copy is still writing
+        d2h = entry.d2h_event
+        if d2h is not None and not self.engine.may_free_now(storage, d2h):
+            if not storage.resizable():
+                entry.evictable = False
+                return False
+            entry.free_pending = True
+            self.pending_free.append(entry)
+        else:
+            try:
+                storage.resize_(0)
+            except RuntimeError:  # not resizable (external memory): stays on the device
+                entry.evictable = False
+                return False
         entry.resident = False
         self.resident_bytes -= entry.nbytes
         self.evicted[entry.key] = entry
@@ -145,67 +206,214 @@ class ResidencyManager:
         return True
 
     def copy_h2d(self, entry: StorageEntry, demand: bool = False) -> None:
-        """Bring the bytes back (a release always leaves a current host copy behind)."""
+        """Start bringing the bytes back (waited on at once when ``demand``); a release always
+        leaves a current host copy behind."""
         if entry.resident:
+            if demand:
+                self.wait_h2d(entry)
             return
         storage = entry.ref()
         if storage is None:
             return
+        if entry.free_pending:  # the device bytes never left: cancel the free
+            entry.free_pending = False
+            self._now_resident(entry)
+            if demand:
+                self.demand_faults += 1
+            return
         assert entry.host is not None, f"storage {entry.sid} was released without a host copy"
         storage.resize_(entry.nbytes)
-        entry.h2d_event = self.engine.copy_h2d(byte_view(storage), entry.host[: entry.nbytes])
-        self.engine.wait(entry.h2d_event)
-        entry.h2d_event = None
+        dst, src = byte_view(storage), entry.host[: entry.nbytes]
+        if self._async:
+            after = entry.d2h_event if not self.engine.is_done(entry.d2h_event) else None
+            event = self.engine.copy_h2d(dst, src, after, entry.sid)
+            entry.h2d_event = entry.host_event = event
+            self.inflight[entry.key] = entry
+        else:
+            self.engine.wait(self.engine.copy_h2d(dst, src))
+            entry.host_event = None
+        self._now_resident(entry)
+        self.bytes_h2d += entry.nbytes
+        if demand:
+            self.demand_faults += 1
+            self.wait_h2d(entry)
+        elif not self._async and self.verify:
+            self._check(entry, storage)
+
+    def _now_resident(self, entry: StorageEntry) -> None:
         entry.resident = True
         del self.evicted[entry.key]
         self.resident_bytes += entry.nbytes
         if entry.offloaded:
             entry.offloaded = False
             self.offloaded_bytes -= entry.nbytes
-        self.bytes_h2d += entry.nbytes
-        if demand:
-            self.demand_faults += 1
+
+    def wait_h2d(self, entry: StorageEntry) -> None:
+        """The compute side waits for the storage's bytes to have arrived (verify: checks them)."""
+        event = entry.h2d_event
+        if event is not None:
+            self.engine.wait(event)
+            entry.h2d_event = None
+            if self.inflight.get(entry.key) is entry:
+                del self.inflight[entry.key]
+        if self.verify and entry.checksum is not None and entry.host_current:
+            storage = entry.ref()
+            if storage is not None:
+                self._check(entry, storage)
+
+    def wait_d2h(self, entry: StorageEntry) -> None:
+        """Before an op writes the storage: its copy out must have read the old bytes."""
+        event = entry.d2h_event
+        if event is not None:
+            self.engine.wait(event)
+            entry.d2h_event = None
+
+    def pending_d2h_writes_possible(self) -> bool:
+        """Whether any copy out may still be reading a storage (cheap check for safe mode)."""
+        return self._async and bool(self.entries)
+
+    def wait_d2h_of(self, storages: list[torch.UntypedStorage]) -> None:
+        for st in storages:
+            entry = self.lookup(st)
+            if entry is not None and entry.d2h_event is not None:
+                self.wait_d2h(entry)
+
+    def _settle_h2d(self, entry: StorageEntry) -> None:
+        if entry.h2d_event is not None:
+            self.wait_h2d(entry)
+
+    def _check(self, entry: StorageEntry, storage: torch.UntypedStorage) -> None:
+        expected = entry.checksum
+        if expected is None:
+            return
+        got = checksum(byte_view(storage))  # kept: a later page-in of the same copy is checked too
+        if got != expected:
+            raise HostCopyCorruptedError(
+                f"verify: storage {entry.sid} ({entry.nbytes} bytes, produced by op {entry.producer_op}) "
+                f"came back from host with other bytes than it left with, {self.describe_op()} "
+                f"(checksum {got} != {expected})"
+            )
 
     def release_host(self, entry: StorageEntry) -> None:
         if entry.resident:
+            self._settle_h2d(entry)
             self._drop_host(entry)
         # A released storage keeps its only copy; it goes back to the pool when the storage
         # dies (usually right after its last access) or at the end of the step.
 
     def mark_written(self, entry: StorageEntry) -> None:
         entry.host_current = False
+        entry.checksum = None
 
     def page_in_inputs(self, tensors: list[torch.Tensor]) -> None:
-        """Demand paging: every evicted storage among ``tensors`` comes back now."""
-        evicted = self.evicted
+        """Every evicted storage among ``tensors`` comes back now; in-flight ones are waited on."""
+        evicted, inflight = self.evicted, self.inflight
         for t in tensors:
             try:
                 storage = t.untyped_storage()
             except (RuntimeError, NotImplementedError):
                 continue
-            entry = evicted.get(storage._cdata)
+            key = storage._cdata
+            entry = evicted.get(key)
             if entry is not None and entry.ref() is storage:
                 self.copy_h2d(entry, demand=True)
+                continue
+            entry = inflight.get(key)
+            if entry is not None and entry.ref() is storage:
+                self.wait_h2d(entry)
+
+    def reap(self) -> None:
+        """Free the device bytes of releases whose D2H has finished (compute thread only)."""
+        if self._async:
+            self.engine.poll()
+        pending = self.pending_free
+        if not pending:
+            return
+        keep = []
+        for entry in pending:
+            if not entry.free_pending:
+                continue
+            if not self.engine.is_done(entry.d2h_event):
+                keep.append(entry)
+                continue
+            entry.free_pending = False
+            entry.d2h_event = None
+            storage = entry.ref()
+            if storage is not None:
+                storage.resize_(0)
+        self.pending_free = keep
 
     # --- end of step ----------------------------------------------------------------
     def restore_all(self) -> None:
-        """Page in every evicted storage still alive (the user may keep any of them)."""
+        """Page in every evicted storage still alive (the user may keep any of them).
+
+        Every storage is allocated again even when a copy fails (its contents are then lost),
+        so no tensor is left over a 0-byte storage; the first error is raised after all of them.
+        """
+        errors: list[BaseException] = []
+        if self._async:  # finished copies let go of their storages: the dead ones are forgotten
+            self.engine.synchronize()
+            self.engine.poll()
         for entry in list(self.evicted.values()):
-            if entry.ref() is not None:
+            storage = entry.ref()
+            if storage is None:
+                continue
+            try:
                 self.copy_h2d(entry)
+            except BaseException as exc:  # finish the others first
+                errors.append(exc)
+                self._force_resident(entry, storage)
+        try:
+            self.wait_all()
+        except BaseException as exc:
+            errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def _force_resident(self, entry: StorageEntry, storage: torch.UntypedStorage) -> None:
+        if storage.nbytes() != entry.nbytes and not entry.free_pending:
+            storage.resize_(entry.nbytes)  # never leave a 0-byte storage behind
+        entry.free_pending = False
+        if not entry.resident:
+            entry.resident = True
+            self.resident_bytes += entry.nbytes
+        self.evicted.pop(entry.key, None)
+
+    def wait_all(self) -> None:
+        """Every in-flight copy done and waited on (each H2D checked in verify mode)."""
+        errors: list[BaseException] = []
+        for entry in list(self.inflight.values()):
+            try:
+                self.wait_h2d(entry)
+            except BaseException as exc:
+                errors.append(exc)
+                self.inflight.pop(entry.key, None)
+                entry.h2d_event = None
+        if self._async:
+            self.engine.synchronize()
+            self.reap()
+        if errors:
+            raise errors[0]
 
     def clear(self) -> None:
         """Forget every entry and return every host slab to the pool."""
+        if self._async:
+            self.engine.synchronize()
+            self.engine.poll()
         for entry in list(self.entries.values()):
             self._drop_host(entry)
         self.entries.clear()
         self.by_key.clear()
         self.evicted.clear()
+        self.inflight.clear()
+        self.pending_free = []
         self.resident_bytes = 0
         self.offloaded_bytes = 0
 
     def _drop_host(self, entry: StorageEntry) -> None:
         if entry.host is not None:
-            self.pool.release(entry.host)
+            self.pool.release(entry.host, entry.host_event)
             entry.host = None
         entry.host_current = False
+        entry.host_event = None
+        entry.checksum = None
