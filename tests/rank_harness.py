@@ -13,7 +13,9 @@ rank is re-raised here with that rank's traceback text.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import tempfile
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -36,11 +38,10 @@ def free_port() -> int:
 
 
 def _entry(
-    rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...],
+    rank: int, world_size: int, store_path: str, fn: Callable[..., Any], args: tuple[Any, ...],
     init_pg: bool, queue: Any,
 ) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -49,7 +50,7 @@ def _entry(
     try:
         if init_pg:
             dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                    init_method=f"tcp://127.0.0.1:{port}")
+                                    init_method=f"file://{store_path}")
         result = fn(rank, world_size, *args)
         queue.put((rank, True, result))
     except BaseException as exc:  # report everything, even SystemExit
@@ -74,9 +75,12 @@ def run_ranks(
     and fails if any rank succeeded or hung."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
+    # A file store needs no port: a free port picked here could be taken by a parallel run
+    # before rank 0 binds it. gloo's own connections use kernel-assigned ports.
+    store_dir = tempfile.mkdtemp(prefix="hyperpar-ranks-")
+    store_path = os.path.join(store_dir, "store")
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, init_pg, queue),
+        ctx.Process(target=_entry, args=(r, world_size, store_path, fn, args, init_pg, queue),
                     daemon=True)
         for r in range(world_size)
     ]
@@ -115,6 +119,7 @@ def run_ranks(
                 p.kill()
                 p.join(timeout=5)
         queue.close()
+        shutil.rmtree(store_dir, ignore_errors=True)
     missing = [r for r in range(world_size) if r not in results and r not in errors]
     for r in missing:
         errors[r] = f"rank {r} did not finish within {timeout:.0f}s (hang)"
