@@ -144,9 +144,12 @@ class MoeExpertsFunction(torch.autograd.Function):
         weights = topk_weights.to(expert_out.dtype).view(tokens, 1, top_k)
         output = torch.bmm(weights, per_token).view(tokens, hidden_size)
         if any(ctx.needs_input_grad[:4]):
-            ctx.save_for_backward(topk_weights, gate_up, down, expert_out)
-            ctx.saved_rows = saved_rows
-            ctx.saved_pre = saved_pre
+            # keep only what backward will read: the per-route outputs feed the routing-weight
+            # gradient, the expert inputs and pre-activations the expert-side gradients
+            ctx.save_for_backward(topk_weights, gate_up, down,
+                                  expert_out if ctx.needs_input_grad[1] else None)
+            ctx.saved_rows = saved_rows if plan.backward_dispatch else []
+            ctx.saved_pre = saved_pre if plan.backward_dispatch else []
             ctx.plan = plan
             ctx.workspace = workspace
             ctx.math = math
@@ -160,8 +163,8 @@ class MoeExpertsFunction(torch.autograd.Function):
         math: ExpertMath = ctx.math
         workspace: MoeWorkspace = ctx.workspace
         tokens, top_k = plan.num_tokens, plan.top_k
-        hidden_size = expert_out.shape[1]
-        grad = grad_output.to(expert_out.dtype).contiguous()
+        hidden_size = gate_up.shape[1]
+        grad = grad_output.to(gate_up.dtype).contiguous()
         need_hidden, need_weights, need_gate_up, need_down = ctx.needs_input_grad[:4]
         want_expert_weights = need_gate_up or need_down
 
