@@ -102,7 +102,7 @@ def _fill_offload_figures(result: RunResult, session: OffloadSession) -> None:
     result.budget_bytes = report.budget_bytes
     result.bytes_moved_per_step = report.bytes_d2h + report.bytes_h2d
     result.demand_faults = report.demand_faults
-    result.exposed_wait_ms = report.exposed_wait_ms if report.exposed_wait_ms else None
+    result.exposed_wait_ms = report.exposed_wait_ms
     result.predicted_step_ms = report.predicted_step_ms
     if result.predicted_step_ms is None and session.trace is not None and session.schedule is not None:
         result.predicted_step_ms = simulate(session.trace, session.schedule).predicted_step_ms

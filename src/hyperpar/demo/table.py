@@ -43,11 +43,12 @@ def loss_table(result: DemoResult) -> str:
 
 
 def summary_table(runs: Sequence[RunResult]) -> str:
-    header = ["run", "peak activations", "budget", "moved/step", "faults", "step (median)", "predicted"]
+    header = ["run", "peak activations", "budget", "moved/step", "faults", "exposed wait", "step (median)",
+              "predicted step"]
     rows = [
         [r.name, _mib(r.peak_activation_bytes), _mib(r.budget_bytes), _mib(r.bytes_moved_per_step),
-         "-" if r.demand_faults is None else str(r.demand_faults), _ms(r.steady_step_ms),
-         _ms(r.predicted_step_ms)]
+         "-" if r.demand_faults is None else str(r.demand_faults), _ms(r.exposed_wait_ms),
+         _ms(r.steady_step_ms), _ms(r.predicted_step_ms)]
         for r in runs
     ]
     return _grid(header, rows)
