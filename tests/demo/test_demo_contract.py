@@ -103,6 +103,13 @@ def test_moe_launcher_reports_every_rank_and_leaves_no_process() -> None:
     assert mp.active_children() == []
 
 
+def test_moe_launcher_kills_ranks_that_outlive_the_timeout() -> None:
+    endless = MoeSettings(cfg=GPTConfig.tiny(), batch_size=2, seed=0, steps=10**7)
+    with pytest.raises(MoeRunError, match="did not finish within 3 s"):
+        run_moe_ranks(endless, world_size=2, timeout_s=3)
+    assert mp.active_children() == []
+
+
 def test_moe_launcher_checks_its_arguments() -> None:
     settings = MoeSettings(cfg=GPTConfig.tiny(), batch_size=2, seed=0, steps=1, num_experts=3)
     with pytest.raises(ValueError, match="num_experts=3 must be divisible by world_size=2"):
