@@ -181,11 +181,16 @@ class MoeExperts(MulticoreModule):
             num_tokens = 0
         else:
             num_tokens = hidden_states.numel() // cfg.hidden_size
-        if not isinstance(topk_ids, torch.Tensor):
-            problems.append(f"topk_ids must be a tensor, got {type(topk_ids).__name__}")
+        if not isinstance(topk_ids, torch.Tensor) or topk_ids.device != hidden_states.device:
+            problems.append(f"topk_ids must be a tensor on {hidden_states.device} like hidden_states, got "
+                            + (f"one on {topk_ids.device}" if isinstance(topk_ids, torch.Tensor)
+                               else type(topk_ids).__name__))
             topk_ids = torch.zeros(num_tokens, cfg.top_k, dtype=torch.int64, device=hidden_states.device)
         if not isinstance(topk_weights, torch.Tensor) or not topk_weights.is_floating_point():
             problems.append(f"topk_weights must be a floating-point tensor, got {topk_weights!r:.80}")
+        elif topk_weights.device != hidden_states.device:
+            problems.append(f"topk_weights must be on {hidden_states.device} like hidden_states, "
+                            f"got {topk_weights.device}")
         elif tuple(topk_weights.shape) != (num_tokens, cfg.top_k):
             problems.append(f"topk_weights must have shape [{num_tokens}, {cfg.top_k}], "
                             f"got {list(topk_weights.shape)}")

@@ -78,16 +78,18 @@ class RoutingSetup:
         return self.num_experts // self.ep_size
 
 
-def _input_problems(setup: RoutingSetup, topk_ids: torch.Tensor, num_tokens: int,
-                    tokens_per_expert: torch.Tensor | None) -> tuple[list[str], torch.Tensor | None]:
+def _input_problems(
+    setup: RoutingSetup, topk_ids: torch.Tensor, num_tokens: int, tokens_per_expert: torch.Tensor | None,
+) -> tuple[list[str], torch.Tensor | None, torch.Tensor | None]:
+    """(problems, per-(chunk, expert) counts, per-row sort keys); no counts when there are problems."""
     problems: list[str] = []
     if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool or topk_ids.is_complex():
         problems.append(f"topk_ids must be an integer tensor, got dtype={topk_ids.dtype}")
-        return problems, None
+        return problems, None, None
     if tuple(topk_ids.shape) != (num_tokens, setup.top_k):
         problems.append(f"topk_ids must have shape [{num_tokens}, {setup.top_k}] (tokens, top_k), "
                         f"got {list(topk_ids.shape)}")
-        return problems, None
+        return problems, None, None
     if num_tokens > setup.max_tokens:
         problems.append(f"{num_tokens} tokens exceed local_num_tokens={setup.max_tokens}")
     if topk_ids.numel():
@@ -95,7 +97,7 @@ def _input_problems(setup: RoutingSetup, topk_ids: torch.Tensor, num_tokens: int
         if low < 0 or high >= setup.num_experts:
             problems.append(f"topk_ids must lie in [0, {setup.num_experts}), got values in [{low}, {high}]")
     if problems:
-        return problems, None
+        return problems, None, None
     chunk_of_row = _chunk_of_rows(num_tokens, setup.top_k, setup.chunks, topk_ids.device)
     keys = chunk_of_row * setup.num_experts + topk_ids.reshape(-1).to(torch.int64)
     counts = torch.bincount(keys, minlength=setup.chunks * setup.num_experts)
@@ -105,7 +107,7 @@ def _input_problems(setup: RoutingSetup, topk_ids: torch.Tensor, num_tokens: int
         if given.numel() != setup.num_experts or not torch.equal(given.to(total), total):
             problems.append(f"tokens_per_expert={given.tolist()} does not match the counts of "
                             f"topk_ids {total.tolist()}")
-    return problems, counts
+    return problems, counts, keys
 
 
 def _chunk_bounds(num_tokens: int, chunks: int) -> list[int]:
@@ -165,7 +167,7 @@ def build_route_plan(setup: RoutingSetup, topk_ids: torch.Tensor, num_tokens: in
     ``caller_problems`` are input errors the caller found (shapes, dtypes): they are
     raised on every EP rank instead of only here, so no rank hangs in the next collective.
     """
-    problems, counts = _input_problems(setup, topk_ids, num_tokens, tokens_per_expert)
+    problems, counts, keys = _input_problems(setup, topk_ids, num_tokens, tokens_per_expert)
     problems = list(caller_problems or []) + problems
     if problems:
         counts = None
@@ -204,11 +206,8 @@ def build_route_plan(setup: RoutingSetup, topk_ids: torch.Tensor, num_tokens: in
 
     device = topk_ids.device
     me = setup.ep_rank
-    order = torch.empty(0, dtype=torch.int64, device=device)
-    if num_tokens:
-        chunk_of_row = _chunk_of_rows(num_tokens, setup.top_k, setup.chunks, device)
-        keys = chunk_of_row * setup.num_experts + topk_ids.reshape(-1).to(torch.int64)
-        order = torch.argsort(keys, stable=True)
+    assert keys is not None
+    order = torch.argsort(keys, stable=True)  # by chunk, then expert; stable keeps token order
     chunk_routes: list[ChunkRoute] = []
     send_begin = 0
     recv_begin = 0
