@@ -1,0 +1,34 @@
+"""``hyperpar bench offload --quick`` runs end to end and writes every figure it reports."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from hyperpar.cli import main
+
+
+def test_quick_mode_writes_ratios_and_prediction_error(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "offload.json"
+    threads = torch.get_num_threads()
+    try:
+        assert main(["bench", "offload", "--quick", "--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "offload" and doc["torch"] == torch.__version__
+    assert doc["machine"]["cpu_count"] and "bench offload --quick" in doc["command"]
+    assert doc["plain_step_ms"] > 0 and len(doc["plain_step_ms_all"]) == doc["steps"] == 3
+    peak, half = doc["replay_at_peak"], doc["replay_at_50"]
+    assert peak["bytes_d2h"] == 0 and peak["demand_faults"] == 0  # nothing needs to move at the peak
+    assert half["bytes_d2h"] > 0 and half["copy_engine"] == "thread"
+    for r in (peak, half):
+        assert math.isfinite(r["ratio_to_plain"]) and r["ratio_to_plain"] > 0
+        assert r["predicted_step_ms"] > 0 and math.isfinite(r["prediction_error"])
+    printed = capsys.readouterr().out
+    assert "replay_at_peak" in printed and "replay_at_50" in printed
