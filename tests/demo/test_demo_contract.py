@@ -116,3 +116,12 @@ def test_moe_launcher_checks_its_arguments() -> None:
         run_moe_ranks(settings, world_size=2)
     with pytest.raises(ValueError, match="world_size"):
         run_moe_ranks(settings, world_size=0)
+
+
+def test_gpu_runs_use_deterministic_kernels_and_restore_the_setting() -> None:
+    before = torch.are_deterministic_algorithms_enabled()
+    with demo_command._deterministic_kernels(torch.device("cuda")):
+        assert torch.are_deterministic_algorithms_enabled()
+    assert torch.are_deterministic_algorithms_enabled() == before
+    with demo_command._deterministic_kernels(torch.device("cpu")):
+        assert torch.are_deterministic_algorithms_enabled() == before

@@ -10,10 +10,12 @@ equal), or when the MoE run fails.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -83,11 +85,24 @@ def _progress(name: str, steps: int) -> tuple[tqdm, object]:
     return bar, on_step
 
 
-def _deterministic(device: torch.device) -> None:
-    """Bitwise equality on a GPU needs deterministic kernels (cuBLAS, embedding backward)."""
-    if device.type == "cuda":
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
+@contextlib.contextmanager
+def _deterministic_kernels(device: torch.device) -> Iterator[None]:
+    """Bitwise equality on a GPU needs deterministic kernels: cuBLAS with a fixed workspace,
+    deterministic embedding backward, and the math attention (fused attention backward
+    accumulates with atomics). On CPU the kernels already are; nothing changes there."""
+    if device.type != "cuda":
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(before)
 
 
 def _device_or_none(text: str | None) -> torch.device | None:
@@ -111,7 +126,6 @@ def run(args: argparse.Namespace) -> int:
     if args.out.exists() and not args.out.is_dir():
         print(f"hyperpar demo: --out must be a folder, got the file {str(args.out)!r}", file=sys.stderr)
         return 2
-    _deterministic(device)
     cfg = SIZES[args.size]()
     spec = DemoSpec(cfg=cfg, batch_size=args.batch_size, seed=args.seed, device=device)
     out: Path = args.out
@@ -119,19 +133,19 @@ def run(args: argparse.Namespace) -> int:
     print(f"hyperpar demo: GPT {args.size} ({cfg.n_layer} layers, d_model {cfg.d_model}, seq {cfg.seq_len}), "
           f"batch {args.batch_size}, {args.steps} steps, device {device}, torch {torch.__version__}")
 
-    peak, _ = measure_activation_peak(spec)
-    budget = max(1, int(peak * args.budget_fraction))
-    print(f"measured activation peak {peak / MIB:.2f} MiB -> offload budget {budget / MIB:.2f} MiB "
-          f"({args.budget_fraction:.0%}, planner {args.planner})")
-
-    bar, on_step = _progress("baseline", args.steps)
-    with bar:
-        baseline, base_model, _ = train_dense(spec, args.steps, on_step=on_step)
-    baseline.peak_activation_bytes = peak
-    bar, on_step = _progress("offload", args.steps)
-    with bar:
-        offload, off_model, session = train_dense(spec, args.steps, budget_bytes=budget, planner=args.planner,
-                                                  on_step=on_step)
+    with _deterministic_kernels(device):
+        peak, _ = measure_activation_peak(spec)
+        budget = max(1, int(peak * args.budget_fraction))
+        print(f"measured activation peak {peak / MIB:.2f} MiB -> offload budget {budget / MIB:.2f} MiB "
+              f"({args.budget_fraction:.0%}, planner {args.planner})")
+        bar, on_step = _progress("baseline", args.steps)
+        with bar:
+            baseline, base_model, _ = train_dense(spec, args.steps, on_step=on_step)
+        baseline.peak_activation_bytes = peak
+        bar, on_step = _progress("offload", args.steps)
+        with bar:
+            offload, off_model, session = train_dense(spec, args.steps, budget_bytes=budget,
+                                                      planner=args.planner, on_step=on_step)
     assert session is not None
     differences = loss_differences(baseline.losses, offload.losses)
     losses_equal = not differences
