@@ -137,9 +137,21 @@ class _TimedPlan:
             if not took and rounds > 1:
                 break
             self.lay_out_lanes()
+            self._drop_empty_reliefs()
             if int(self.resident.max()) <= self.budget:
                 break
         return rounds
+
+    def _drop_empty_reliefs(self) -> None:
+        """A hidden gap whose copies, laid out on the lanes, leave it no op to relieve only
+        costs bandwidth (and its H2D, clamped into the gap, lands late): undo it."""
+        for _ in range(4):
+            empty = self.taken & ~self.pinned & (self.h2d_op - 1 < self.relief_lo)
+            if not empty.any():
+                return
+            self.taken[empty] = False
+            self.h2d_op[empty] = self.gaps.end[empty]
+            self.lay_out_lanes()
 
     def snapshot(self) -> tuple[np.ndarray, ...]:
         return (self.taken.copy(), self.pinned.copy(), self.h2d_op.copy(), self.resident.copy(),
