@@ -112,8 +112,15 @@ def measure(quick: bool, steps: int) -> dict[str, Any]:
         if last.predicted_step_ms:
             entry["prediction_error"] = (med - last.predicted_step_ms) / last.predicted_step_ms
         if session.trace is not None:
-            entry["trace_compute_ms"] = sum(op.duration_ms for op in session.trace.ops)
+            compute = sum(op.duration_ms for op in session.trace.ops)
+            entry["trace_compute_ms"] = compute
             entry["bandwidth_gbps"] = [session.trace.d2h_bandwidth_gbps, session.trace.h2d_bandwidth_gbps]
+            if last.predicted_step_ms and compute > 0:
+                # The same comparison without the warmup's one timing sample: slowdown over the
+                # step without offload, predicted (over the trace's compute) vs measured (over plain).
+                entry["predicted_slowdown"] = last.predicted_step_ms / compute
+                entry["measured_slowdown"] = med / plain
+                entry["slowdown_error"] = entry["measured_slowdown"] / entry["predicted_slowdown"] - 1.0
         out[name] = entry
     return out
 
@@ -150,13 +157,16 @@ def run(args: argparse.Namespace) -> int:
     print(f"GPT {result['model']['config']} batch {result['model']['batch']}, {steps} interleaved steps, "
           f"activation peak {result['activation_peak_bytes'] / MIB:.2f} MiB")
     print(f"{'variant':16s} {'step ms':>9s} {'x plain':>8s} {'us/op':>7s} {'predicted':>10s} {'error':>7s} "
-          f"{'wait ms':>8s} {'MiB d2h':>8s}")
+          f"{'x pred':>7s} {'wait ms':>8s} {'MiB d2h':>8s}")
     print(f"{'plain':16s} {result['plain_step_ms']:9.2f} {1.0:8.3f}")
     for name, r in (("replay_at_peak", peak), ("replay_at_50", half)):
         pred = f"{r['predicted_step_ms']:10.2f}" if r.get("predicted_step_ms") else f"{'-':>10s}"
         err = f"{r['prediction_error'] * 100:6.1f}%" if "prediction_error" in r else f"{'-':>7s}"
+        slow = f"{r['predicted_slowdown']:7.3f}" if "predicted_slowdown" in r else f"{'-':>7s}"
         print(f"{name:16s} {r['step_ms']:9.2f} {r['ratio_to_plain']:8.3f} {r['per_op_overhead_us']:7.1f} "
-              f"{pred} {err} {r['exposed_wait_ms']:8.2f} {r['bytes_d2h'] / MIB:8.2f}")
+              f"{pred} {err} {slow} {r['exposed_wait_ms']:8.2f} {r['bytes_d2h'] / MIB:8.2f}")
+    print("error: measured replay vs the simulator's predicted_step_ms; x pred: the predicted slowdown "
+          "over the trace's compute time (compare with x plain)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {args.out}")
