@@ -3,8 +3,10 @@
 Each storage of the trace becomes a real uint8 CPU tensor of its size, created at its first
 access and dropped (as Python would free it) after its last one unless retained. Every
 READ checks the bytes against what the last WRITE put there; every WRITE puts fresh random
-bytes. Actions map to the manager exactly as replay maps them. Returns the resident bytes
-the manager counted while each op ran.
+bytes. Actions map to the manager as replay maps them, and an op waits as replay's does
+(frees reaped, in-flight copies in waited on, copies out of a storage it writes finished),
+so the asynchronous engine is exercised too. Returns the resident bytes the manager counted
+while each op ran.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 
 from hyperpar.offload.ir import AccessKind, ActivationTrace, ResidencySchedule
 from hyperpar.offload.ir import ResidencyActionType as Act
-from hyperpar.offload.runtime import HostPool, ResidencyManager, SyncCopyEngine
+from hyperpar.offload.runtime import HostPool, ResidencyManager, make_copy_engine
 
 
 class DataLost(AssertionError):
@@ -63,8 +65,13 @@ def run_schedule(trace: ActivationTrace, schedule: ResidencySchedule, manager: R
                 t = tensors[sid] = torch.empty(size, dtype=torch.uint8)
                 manager.bind(sid, t.untyped_storage(), producer_op=i)
             entry = manager.lookup(t.untyped_storage())
+            if manager.pending_free:
+                manager.reap()
             if entry is None or not entry.resident or t.untyped_storage().nbytes() != size:
                 raise DataLost(f"op {i} ({op.name}) accesses storage {sid}, which is not resident")
+            manager.wait_h2d(entry)
+            if acc.kind is AccessKind.WRITE:
+                manager.wait_d2h(entry)
             if acc.kind is AccessKind.READ and not torch.equal(t, expected[sid]):
                 raise DataLost(f"op {i} ({op.name}) reads storage {sid} with other bytes than written")
         t = None  # hold no reference past the loop: a storage must die when its last user drops it
@@ -83,6 +90,7 @@ def run_schedule(trace: ActivationTrace, schedule: ResidencySchedule, manager: R
             if last[sid] == i and sid not in trace.retained_sids:
                 del tensors[sid]  # freed like an activation nobody references any more
     manager.restore_all()
+    manager.wait_all()
     for sid in trace.retained_sids:
         if sid in tensors and not torch.equal(tensors[sid], expected[sid]):
             raise DataLost(f"retained storage {sid} has other bytes at the end of the step")
@@ -90,5 +98,6 @@ def run_schedule(trace: ActivationTrace, schedule: ResidencySchedule, manager: R
     return resident
 
 
-def fresh_manager(cap_bytes: int = 1 << 40) -> ResidencyManager:
-    return ResidencyManager(torch.device("cpu"), HostPool(cap_bytes), SyncCopyEngine())
+def fresh_manager(cap_bytes: int = 1 << 40, engine: str = "sync") -> ResidencyManager:
+    cpu = torch.device("cpu")
+    return ResidencyManager(cpu, HostPool(cap_bytes), make_copy_engine(cpu, engine))

@@ -69,7 +69,7 @@ FORWARD_CASES: list[tuple[str, Call, type[Exception], str]] = [
      ValueError, "12 tokens exceed local_num_tokens=8"),
     ("ids float", lambda m, h, i, w: m(h, i.float(), w), ValueError,
      "topk_ids must be an integer tensor, got dtype=torch.float32"),
-    ("ids list", lambda m, h, i, w: m(h, i.tolist(), w), ValueError, "topk_ids must be a tensor, got list"),
+    ("ids list", lambda m, h, i, w: m(h, i.tolist(), w), ValueError, "topk_ids must be a tensor"),
     ("ids shape", lambda m, h, i, w: m(h, i[:, :1], w), ValueError,
      "topk_ids must have shape [6, 2] (tokens, top_k), got [6, 1]"),
     ("ids too large", lambda m, h, i, w: m(h, i + E, w), ValueError,

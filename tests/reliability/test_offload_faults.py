@@ -18,6 +18,7 @@ from hyperpar.offload import OffloadConfig, OffloadSession
 from hyperpar.offload.runtime import SyncCopyEngine
 from tests.reliability.bitwise import same_bits
 from tests.reliability.fault_models import WHERE, FaultyChain
+from tests.reliability.faulty_engine import FaultyEngine
 
 MIB = 1 << 20
 WIDTH = 16
@@ -33,30 +34,6 @@ EXCEPTIONS: dict[str, Callable[[], BaseException]] = {
     "KeyboardInterrupt": KeyboardInterrupt,
     "BaseException": lambda: InjectedBaseError("injected base fault"),
 }
-
-
-class FailingCopyEngine(SyncCopyEngine):
-    """Fails its ``fail_at``-th copy of the given direction (counting from 0), once."""
-
-    def __init__(self, direction: str, fail_at: int, exc: BaseException) -> None:
-        self.direction, self.fail_at, self.exc = direction, fail_at, exc
-        self.calls = 0
-        self.fired = False
-
-    def _maybe_fail(self, direction: str) -> None:
-        if direction == self.direction:
-            self.calls += 1
-            if self.calls - 1 == self.fail_at:
-                self.fired = True
-                raise self.exc
-
-    def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Event | None:
-        self._maybe_fail("d2h")
-        return super().copy_d2h(dst, src)
-
-    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Event | None:
-        self._maybe_fail("h2d")
-        return super().copy_h2d(dst, src)
 
 
 def _step(model: FaultyChain, x: torch.Tensor, session: OffloadSession | None,
@@ -185,14 +162,17 @@ def test_exception_at_a_random_place_of_warmup_or_replay(layers: int, data: st.D
     run_with_fault(layers, budget, fail_step, inject, disarm)
 
 
-def _copy_fault(direction: str, fail_at: int, kind: str) -> tuple[Callable[..., Any], Callable[..., None]]:
-    def inject(plain: FaultyChain, session: OffloadSession) -> BaseException:
+def _copy_fault(direction: str, fail_at: int, kind: str,
+                mode: str) -> tuple[Callable[..., Any], Callable[..., None]]:
+    def inject(plain: FaultyChain, session: OffloadSession) -> BaseException | None:
         exc = EXCEPTIONS[kind]()
-        session._manager.engine = FailingCopyEngine(direction, fail_at, exc)
-        return exc
+        session._manager.engine = FaultyEngine(session._manager.engine, direction, fail_at, mode, exc)
+        return exc if mode == "submit" else None  # in flight: the engine reports its own error
 
     def disarm(plain: FaultyChain, session: OffloadSession) -> None:
-        session._manager.engine = SyncCopyEngine()
+        engine = session._manager.engine
+        if isinstance(engine, FaultyEngine):
+            session._manager.engine = engine.inner
 
     return inject, disarm
 
@@ -200,11 +180,14 @@ def _copy_fault(direction: str, fail_at: int, kind: str) -> tuple[Callable[..., 
 @settings(max_examples=100, deadline=None, derandomize=True, database=None)
 @given(layers=st.integers(1, 3), budget=st.sampled_from([0, 512]), fail_step=st.integers(0, 2),
        direction=st.sampled_from(["d2h", "h2d"]), fail_at=st.integers(0, 12),
-       kind=st.sampled_from(sorted(EXCEPTIONS)))
+       kind=st.sampled_from(sorted(EXCEPTIONS)), mode=st.sampled_from(["submit", "inflight"]),
+       engine=st.sampled_from(["thread", "sync"]))
 def test_a_failing_copy(layers: int, budget: int, fail_step: int, direction: str, fail_at: int,
-                        kind: str) -> None:
-    inject, disarm = _copy_fault(direction, fail_at, kind)
-    run_with_fault(layers, budget, fail_step, inject, disarm)
+                        kind: str, mode: str, engine: str) -> None:
+    """A copy that cannot start, or that fails where it runs: an error comes out of the step
+    (never silently wrong bytes), nothing is held, and the next steps are bitwise right."""
+    inject, disarm = _copy_fault(direction, fail_at, kind, mode)
+    run_with_fault(layers, budget, fail_step, inject, disarm, copy_engine=engine)
 
 
 class _BrokenH2D(SyncCopyEngine):
@@ -212,14 +195,11 @@ class _BrokenH2D(SyncCopyEngine):
         raise RuntimeError("device lost")
 
 
-@pytest.mark.xfail(strict=True, reason="a copy that fails in the end-of-step restore leaves the "
-                                       "other evicted storages at 0 bytes (reading them segfaults), "
-                                       "reported to lead")
 def test_every_copy_failing_leaves_no_zero_byte_storage() -> None:
-    """Found here: ``ResidencyManager.restore_all`` stops at its first failing copy and the
-    session then forgets the table, so a tensor the user kept keeps a 0-byte storage under
-    its shape; reading it crashed the interpreter (SIGSEGV). Expected: data may be lost
-    (logged) but every storage is allocated again, as ``restore_all`` does for discarded ones."""
+    """Regression (found here, fixed in the async runtime): ``restore_all`` stopped at its first
+    failing copy and the session then forgot the table, so a tensor the user kept stayed over a
+    0-byte storage and reading it crashed the interpreter (SIGSEGV). Data may be lost, but every
+    storage must be allocated again."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16))
     session = OffloadSession(OffloadConfig(max_resident_activation_mb=0))

@@ -21,8 +21,9 @@ MAX_EXAMPLES = 150
 
 
 @settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None)
-@given(rng=st.randoms(use_true_random=False), cap=st.sampled_from([1 << 40, 1 << 40, 2048, 0]))
-def test_planned_schedules_keep_data_on_the_real_runtime(rng: random.Random, cap: int) -> None:
+@given(rng=st.randoms(use_true_random=False), cap=st.sampled_from([1 << 40, 1 << 40, 2048, 0]),
+       engine=st.sampled_from(["sync", "thread"]))
+def test_planned_schedules_keep_data_on_the_real_runtime(rng: random.Random, cap: int, engine: str) -> None:
     trace = random_trace(rng, max_ops=40)
     feasible = trace.memory_limit_bytes >= min_feasible_budget(trace)
     for name in PLANNERS:
@@ -34,17 +35,18 @@ def test_planned_schedules_keep_data_on_the_real_runtime(rng: random.Random, cap
             assert sim.peak_resident_bytes <= trace.memory_limit_bytes, name
         if schedule.deficit_bytes == 0:
             assert sim.peak_resident_bytes <= trace.memory_limit_bytes, name
-        manager = fresh_manager(cap)
+        manager = fresh_manager(cap, engine)
         measured = run_schedule(trace, schedule, manager, torch.Generator().manual_seed(rng.getrandbits(32)))
         if cap == 1 << 40:  # nothing refused by the pool: the device holds what the simulation says
             for i, (real, predicted) in enumerate(zip(measured, sim.resident_bytes, strict=True)):
                 assert real <= predicted, f"{name}: op {i} holds {real} B, simulated {predicted} B"
         manager.clear()
+        manager.engine.close()
         assert manager.pool.in_use_bytes == 0 and not manager.entries and manager.resident_bytes == 0
 
 
 class _CorruptingEngine(SyncCopyEngine):
-    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Event | None:
+    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, after: object = None, label: int = -1) -> None:
         dst.copy_(src)
         dst[:1].add_(1)
         return None
