@@ -58,7 +58,9 @@ class SimResult:
     @property
     def overhead(self) -> float:
         """Predicted step time over the step without offload, minus one."""
-        return self.predicted_step_ms / self.compute_ms - 1.0 if self.compute_ms > 0 else 0.0
+        if self.compute_ms <= 0:
+            return 0.0
+        return max(0.0, self.predicted_step_ms / self.compute_ms - 1.0)  # never below: float noise
 
 
 def ms_per_byte(gbps: float) -> float:
