@@ -41,6 +41,10 @@ _ACTIVE: contextvars.ContextVar[OffloadSession | None] = contextvars.ContextVar(
 )
 
 
+def _outside_an_op() -> str:
+    return "outside an op"
+
+
 class OffloadSession:
     def __init__(self, config: OffloadConfig | None = None) -> None:
         if config is None:
@@ -159,6 +163,7 @@ class OffloadSession:
                 logger.exception("cleanup after a failed offload step failed; re-raising the original error")
         finally:
             self._manager.clear()
+            self._manager.describe_op = _outside_an_op  # no reference to the finished executor
             if not clean or pending is not None:
                 self._pool.trim()
             self._executor = None

@@ -47,17 +47,20 @@ class _Lane:
         self.spans: list[CopySpan] = []
         self.origin = time.perf_counter()
         self.last: ThreadEvent | None = None
-        self.thread = threading.Thread(target=self._run, name=f"hyperpar-copy-{name}", daemon=True)
-        self.thread.start()
+        self.thread: threading.Thread | None = None  # started by the first hand-off
 
     def submit(self, payload: list[torch.Tensor], after: ThreadEvent | None, label: int) -> ThreadEvent:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, name=f"hyperpar-copy-{self.name}", daemon=True)
+            self.thread.start()
         event = ThreadEvent()
         self.tasks.put((payload, event, after, label))
         self.last = event
         return event
 
     def stop(self) -> None:
-        self.tasks.put(None)
+        if self.thread is not None:
+            self.tasks.put(None)
 
     def _run(self) -> None:
         while True:
