@@ -33,7 +33,7 @@ def test_synthetic_trace_has_the_requested_size_and_plans_safely() -> None:
 
 
 def test_sweep_overhead_grows_as_the_budget_shrinks() -> None:
-    trace = synthetic_trace(1_500, seed=1, d2h_gbps=10.0, h2d_gbps=10.0)
+    trace = synthetic_trace(1_500, seed=1, d2h_gbps=50.0, h2d_gbps=50.0)
     points = sweep(trace, ("greedy", "timed"), [0.5, 1.0])
     by = {(p.planner, p.budget_fraction >= 0.99): p for p in points}
     for planner in ("greedy", "timed"):
