@@ -5,24 +5,31 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from hyperpar.offload.runtime import StepTimeline
-from hyperpar.offload.runtime.checksum import CHUNK_BYTES, checksum
+from hyperpar.offload.runtime import checksum as checksum_module
+from hyperpar.offload.runtime.checksum import checksum
 from hyperpar.offload.runtime.copy_engine import CopySpan
 
 
-def test_checksum_sees_changes_and_swaps_across_chunks() -> None:
+def test_checksum_sees_changes_and_swaps_across_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    chunk = 4096
+    monkeypatch.setattr(checksum_module, "CHUNK_BYTES", chunk)
     gen = torch.Generator().manual_seed(0)
-    data = torch.randint(0, 256, (CHUNK_BYTES + 1000,), dtype=torch.uint8, generator=gen)
+    data = torch.randint(0, 256, (3 * chunk + 1000,), dtype=torch.uint8, generator=gen)
     base = checksum(data)
     assert checksum(data.clone()) == base
     flipped = data.clone()
-    flipped[CHUNK_BYTES + 5] ^= 1
+    flipped[chunk + 5] ^= 1
     assert checksum(flipped) != base
     swapped = data.clone()
     swapped[0], swapped[1] = data[1].item(), data[0].item()
     assert data[0] == data[1] or checksum(swapped) != base
+    moved = data.clone()
+    moved[:chunk], moved[chunk: 2 * chunk] = data[chunk: 2 * chunk], data[:chunk]  # two chunks swapped
+    assert checksum(moved) != base
     assert checksum(torch.empty(0, dtype=torch.uint8)) == (0, 0)
 
 
