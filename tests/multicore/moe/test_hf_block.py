@@ -34,3 +34,36 @@ def test_single_rank() -> None:
 def test_two_expert_parallel_ranks() -> None:
     for rank, difference in run_ranks(_run_example, 2, timeout=90).items():
         assert difference <= 1e-6, f"rank {rank}: {difference}"
+
+
+def test_qwen2_moe_block_single_rank() -> None:
+    import torch
+    from transformers import Qwen2MoeConfig
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+    from hyperpar.multicore.moe.hf import replace_hf_moe_experts
+
+    torch.manual_seed(0)
+    config = Qwen2MoeConfig(hidden_size=32, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
+    block = Qwen2MoeSparseMoeBlock(config)
+    for parameter in block.parameters():
+        torch.nn.init.normal_(parameter, std=0.2)
+    x = torch.randn(2, 6, 32)
+    with torch.no_grad():
+        expected = block(x)
+        experts = replace_hf_moe_experts(block, local_num_tokens=12)
+        got = block(x)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    experts.close()
+
+
+def test_transformers_4_layout_is_rejected() -> None:
+    import torch
+
+    from hyperpar.multicore.moe.hf import replace_hf_moe_experts
+
+    block = torch.nn.Module()
+    block.experts = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
+    with pytest.raises(TypeError, match=r"transformers 4\.x layout"):
+        replace_hf_moe_experts(block, local_num_tokens=4, top_k=1)
