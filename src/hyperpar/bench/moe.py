@@ -36,9 +36,19 @@ SIZES = {
 QUICK = {"quick": dict(tokens=64, hidden=64, inter=64, experts=4, top_k=2, steps=4)}
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes for a CI smoke test (< 20 s)")
-    parser.add_argument("--steps", type=int, default=None, help="timed fwd+bwd steps per variant")
+    parser.add_argument("--steps", type=_positive_int, default=None, help="timed fwd+bwd steps per variant")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/moe.json"))
 
 

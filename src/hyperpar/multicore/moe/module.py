@@ -22,6 +22,9 @@ log = logging.getLogger(__name__)
 
 def _resolve_group(ep_size: int, ep_group: Any) -> tuple[Any, int]:
     """The EP process group (None: no communication) and this rank's position in it."""
+    if ep_group is not None and not (dist.is_available() and isinstance(ep_group, dist.ProcessGroup)):
+        raise TypeError("ep_group must be None or a torch.distributed ProcessGroup, "
+                        f"got {type(ep_group).__name__} {ep_group!r:.60}")
     if ep_size == 1:
         if ep_group is not None and is_distributed() and dist.get_world_size(ep_group) != 1:
             raise ValueError(f"ep_size=1 but ep_group has {dist.get_world_size(ep_group)} ranks")
