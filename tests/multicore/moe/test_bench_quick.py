@@ -26,3 +26,12 @@ def test_quick_benchmark_writes_results(tmp_path: Path, capsys: pytest.CaptureFi
     for rank in report["per_rank"].values():
         assert max(rank["quick"]["max_abs_diff_vs_naive"].values()) < 1e-4  # same math as the baseline
     assert "MoeExperts/naive" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("steps", ["0", "-2"])
+def test_steps_must_be_positive(steps: str, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    moe.add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--steps", steps])
+    assert "must be a positive int" in capsys.readouterr().err

@@ -55,3 +55,8 @@ def test_parameters_layout() -> None:
     assert external.gate_up_weight is None and list(external.parameters()) == []
     layer.close()
     external.close()
+
+
+def test_ep_group_must_be_a_process_group() -> None:
+    with pytest.raises(TypeError, match=r"ep_group must be None or a torch\.distributed ProcessGroup"):
+        MoeExperts(**GOOD, ep_group="world")
