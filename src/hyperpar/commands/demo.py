@@ -54,6 +54,13 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None,
                         help="cpu, cuda, cuda:1, ... (default: the current accelerator, else cpu)")
@@ -71,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="offload planner (default greedy)")
     parser.add_argument("--moe-ranks", type=_positive_int, default=2,
                         help="ranks for the MoE run (default 2)")
-    parser.add_argument("--timeout", type=float, default=120.0,
+    parser.add_argument("--timeout", type=_positive_float, default=120.0,
                         help="seconds before a stuck MoE run is killed (default 120)")
 
 
@@ -207,8 +214,9 @@ def _save_offload_files(result: DemoResult, session: object, out: Path, budget: 
 def _run_moe(result: DemoResult, spec: DemoSpec, args: argparse.Namespace, device: torch.device) -> bool:
     backend, note = choose_backend(device, args.moe_ranks)
     threads = max(1, (os.cpu_count() or 1) // args.moe_ranks)
+    experts = args.moe_ranks * max(2, -(-4 // args.moe_ranks))  # at least 4, a multiple of the ranks
     settings = MoeSettings(cfg=spec.cfg, batch_size=spec.batch_size, seed=spec.seed, steps=args.steps,
-                           backend=backend, threads_per_rank=threads)
+                           num_experts=experts, backend=backend, threads_per_rank=threads)
     bar, on_step = _progress(f"moe x{args.moe_ranks}", args.steps)
     try:
         with bar:
