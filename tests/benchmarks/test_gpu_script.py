@@ -34,3 +34,13 @@ def test_cpu_tiny_run_writes_every_variant_with_numbers(tmp_path: Path) -> None:
     assert doc["variants"]["hyperpar_30"]["report"]["phase"] == "replay"
     assert doc["bandwidth"]["d2h_gbps"] > 0 and doc["bandwidth"]["h2d_gbps"] > 0
     assert "hyperpar_30" in proc.stdout and "x plain" in proc.stdout
+
+
+def test_runtime_check_passes_on_cpu() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "gpu" / "check_runtime.py"), "--device", "cpu"],
+        capture_output=True, text=True, timeout=120, cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "all checks passed" in proc.stdout and "FAIL" not in proc.stdout
+    assert proc.stdout.count("bitwise equal") == 12
