@@ -13,8 +13,10 @@ Prints one line per check and exits non-zero if any failed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -50,7 +52,23 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     args = p.parse_args(argv)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (before CUDA starts)
+    torch.use_deterministic_algorithms(True, warn_only=True)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    with _deterministic_attention(device):
+        return _run(device)
+
+
+def _deterministic_attention(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """The math SDPA kernel: flash attention's backward accumulates with atomics."""
+    if device.type == "cpu":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.MATH)
+
+
+def _run(device: torch.device) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = LlamaConfig.small()
     torch.manual_seed(0)
@@ -71,6 +89,21 @@ def main(argv: list[str] | None = None) -> int:
 
     expected = step(base, batch, None)
     grads = {n: p.grad.clone() for n, p in base.named_parameters() if p.grad is not None}
+    again = step(base, batch, None)
+    exact = torch.equal(again, expected) and all(
+        torch.equal(p.grad, grads[n]) for n, p in base.named_parameters() if p.grad is not None)
+    if not exact:
+        print("note: two plain steps differ on this device (non-deterministic kernels): comparing with "
+              "a tolerance instead of bitwise")
+
+    def same_as_plain(loss: torch.Tensor, model: Llama) -> bool:
+        if exact:
+            return torch.equal(loss, expected) and all(
+                torch.equal(p.grad, grads[n]) for n, p in model.named_parameters() if p.grad is not None)
+        return torch.allclose(loss, expected, rtol=1e-2, atol=1e-3) and all(
+            torch.allclose(p.grad.float(), grads[n].float(), rtol=5e-2, atol=1e-3)
+            for n, p in model.named_parameters() if p.grad is not None)
+
     print(f"torch {torch.__version__} on {device}; activation peak {peak / MIB:.1f} MiB")
     for frac in (0.5, 0.3, 0.0):
         model = copy.deepcopy(base)
@@ -82,9 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             report = session.last_report
             assert report is not None
             allocations.append(session.host_allocations())
-            same = torch.equal(loss, expected) and all(
-                torch.equal(p.grad, grads[n]) for n, p in model.named_parameters() if p.grad is not None)
-            check(same, f"{frac:.0%} step {i} ({report.phase}): loss and gradients bitwise equal")
+            kind = "bitwise equal" if exact else "close (tolerance)"
+            check(same_as_plain(loss, model), f"{frac:.0%} step {i} ({report.phase}): loss, gradients {kind}")
             if i:
                 check(report.demand_faults == 0, f"{frac:.0%} replay {i}: no demand fault")
                 check(report.predicted_step_ms is not None, f"{frac:.0%} replay {i}: predicted step time")
