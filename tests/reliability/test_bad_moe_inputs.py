@@ -42,11 +42,11 @@ def test_constructor_rejects_bad_values(change: dict[str, Any], error: type[Exce
     assert text in str(info.value)
 
 
-@pytest.mark.xfail(strict=True, reason="MoeExperts(ep_group=<not a process group>) is silently ignored at "
-                                       "ep_size=1, reported to lead")
 def test_an_ep_group_that_is_not_a_process_group_is_named() -> None:
-    with pytest.raises(TypeError, match="ep_group"):
+    """Regression (found here, fixed by the MoE owner): it used to be ignored at ep_size=1."""
+    with pytest.raises(TypeError) as info:
         MoeExperts(**GOOD, ep_group="world")
+    assert "ep_group must be None or a torch.distributed ProcessGroup, got str 'world'" in str(info.value)
 
 
 def _inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
