@@ -14,6 +14,7 @@ from hyperpar.multicore.module import MulticoreModule
 
 from .config import DEFAULT_OVERLAP_CHUNKS, MoeExpertsConfig
 from .function import ExpertMath, MoeExpertsFunction
+from .offload_interop import call_opaque_to_offload
 from .routing import GradNeeds, RoutingSetup, build_route_plan
 from .workspace import MoeWorkspace, WorkspaceSpec
 
@@ -172,6 +173,12 @@ class MoeExperts(MulticoreModule):
     def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
                 tokens_per_expert: torch.Tensor | None = None,
                 expert_weights: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        return call_opaque_to_offload(self._forward, hidden_states, topk_ids, topk_weights,
+                                      tokens_per_expert=tokens_per_expert, expert_weights=expert_weights)
+
+    def _forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
+                 tokens_per_expert: torch.Tensor | None,
+                 expert_weights: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         workspace: MoeWorkspace = self._get_execution_resources(hidden_states)
         if not self._config_agreed:
             self._agree_on_config()
