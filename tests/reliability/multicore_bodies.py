@@ -18,7 +18,7 @@ import torch.distributed as dist
 from hyperpar.multicore import MANAGER, CollectiveError, exchange, register_runtime_release
 from tests.multicore.fakes import FakeModule
 
-SHORT_TIMEOUT_S = 3.0
+SHORT_TIMEOUT_S = 2.0
 
 
 class SignatureFaultModule(FakeModule):
@@ -122,6 +122,6 @@ def early_exit_body(rank: int, world: int, leaver: int, how: str, stage: str) ->
     if rank == leaver:
         if how == "exit":
             os._exit(17)
-        time.sleep(3 * SHORT_TIMEOUT_S)
+        time.sleep(2.5 * SHORT_TIMEOUT_S)
         raise RuntimeError("this rank stayed away on purpose")
     _timed((lambda: m(x)) if stage == "bind" else m.close)

@@ -14,7 +14,7 @@ from tests.reliability.multicore_bodies import SHORT_TIMEOUT_S, early_exit_body,
 TIMEOUT = 60.0
 
 
-@pytest.mark.parametrize(("world", "bad"), [(2, 1), (3, 0)])
+@pytest.mark.parametrize(("world", "bad"), [(3, 0)])  # the last rank failing: tests/multicore
 def test_recoverable_faults_raise_everywhere_and_retries_succeed(world: int, bad: int) -> None:
     results = run_ranks(recoverable_faults_body, world, args=(bad,), timeout=TIMEOUT)
     for key in ("create", "signature", "close", "order"):

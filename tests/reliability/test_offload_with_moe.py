@@ -30,10 +30,9 @@ def test_collective_into_evicted_outputs() -> None:
     assert results == {0: [4096.0, 8192.0], 1: [4096.0, 8192.0]}
 
 
-@pytest.mark.xfail(strict=True, reason="MoeExperts on two ranks under an OffloadSession at budget 0 "
-                                       "segfaults (see test_collective_into_evicted_outputs), "
-                                       "reported to lead")
 def test_moe_under_offload_on_two_ranks() -> None:
+    """Regression (found here: both ranks segfaulted at budget 0; fixed by the MoE owner, who runs
+    the layer as one opaque op so that its collectives are not traced)."""
     results = run_ranks(offload_matches_plain, 2, args=("thread", 0, 2), timeout=90)
     for rank, out in results.items():
         assert out["differs"] == [], (rank, out["differs"])
