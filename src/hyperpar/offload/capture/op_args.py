@@ -13,20 +13,29 @@ Tensor = torch.Tensor
 _WRITE_SPECS: dict[Any, tuple[tuple[int, str, bool], ...]] = {}
 
 
+def _add_sequence(out: list[Tensor], seq: list[Any] | tuple[Any, ...]) -> None:
+    """Tensors of a (possibly nested) list: ``Tensor[][]`` as collectives take (all_gather)."""
+    for b in seq:
+        if isinstance(b, Tensor):
+            out.append(b)
+        elif isinstance(b, (list, tuple)):
+            _add_sequence(out, b)
+
+
 def tensor_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
-    """Tensors among args and kwargs, including those inside tensor lists (e.g. cat)."""
+    """Tensors among args and kwargs, including those inside tensor lists (cat, collectives)."""
     out: list[Tensor] = []
     for a in args:
         if isinstance(a, Tensor):
             out.append(a)
         elif isinstance(a, (list, tuple)):
-            out.extend(b for b in a if isinstance(b, Tensor))
+            _add_sequence(out, a)
     if kwargs:
         for a in kwargs.values():
             if isinstance(a, Tensor):
                 out.append(a)
             elif isinstance(a, (list, tuple)):
-                out.extend(b for b in a if isinstance(b, Tensor))
+                _add_sequence(out, a)
     return out
 
 
@@ -59,7 +68,7 @@ def written_tensors(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
         if isinstance(value, Tensor):
             out.append(value)
         elif isinstance(value, (list, tuple)):
-            out.extend(v for v in value if isinstance(v, Tensor))
+            _add_sequence(out, value)
     return out
 
 
