@@ -94,7 +94,9 @@ def test_small_copies_run_inline_and_still_show_on_the_timeline() -> None:
     assert event is not None
     engine.end_step()
     assert [(s.lane, s.label) for s in engine.spans()] == [(D2H_LANE, 5), (H2D_LANE, 6)]
-    assert ThreadCopyEngine(delay_s=0.01).inline_bytes == 0  # the slow test engine hands off everything
+    slow = ThreadCopyEngine(delay_s=0.01)
+    assert slow.inline_bytes == 0  # the slow test engine hands off everything ...
+    assert slow.name != engine.name  # ... and never shares the fast engine's cached bandwidth
     with pytest.raises(ValueError, match="delay_s"):
         ThreadCopyEngine(delay_s=-1.0)
     engine.close()

@@ -103,6 +103,7 @@ class ThreadCopyEngine:
         if delay_s < 0:
             raise ValueError(f"delay_s must be >= 0, got {delay_s!r}")
         self.delay_s = delay_s
+        self.name = "thread" if not delay_s else f"thread(delay {delay_s:g} s)"  # probe cache key
         self.inline_bytes = (0 if delay_s else INLINE_BYTES) if inline_bytes is None else inline_bytes
         self._d2h = _Lane(D2H_LANE, delay_s)
         self._h2d = _Lane(H2D_LANE, delay_s)
