@@ -79,7 +79,7 @@ def check_program(program: list[Instr], budget: int, planner: str = "greedy",
         off.zero_grad(set_to_none=True)
 
 
-MAX_EXAMPLES = 200
+MAX_EXAMPLES = 160
 
 
 @settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None)

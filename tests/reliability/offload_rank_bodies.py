@@ -1,4 +1,5 @@
-"""A small MoE model trained plain and under an OffloadSession side by side (importable by ranks)."""
+"""Rank bodies for offload with collectives: a small MoE model trained plain and under an
+OffloadSession side by side, and all_gather inside a session (importable by spawned ranks)."""
 
 from __future__ import annotations
 
@@ -70,4 +71,20 @@ def all_gather_in_session(rank: int, world: int, budget: int) -> list[float]:
         gathered = [torch.empty(4096) for _ in range(world)]
         dist.all_gather(gathered, mine)
         sums = [float(t.sum()) for t in gathered]
+    return sums
+
+
+def async_all_gather_in_session(rank: int, world: int, budget: int, steps: int = 3) -> list[list[float]]:
+    """An async ``all_gather`` still in flight while later ops push the step over ``budget``."""
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=budget / (1 << 20)))
+    sums = []
+    for _ in range(steps):
+        with session:
+            mine = torch.full((1 << 16,), float(rank + 1))
+            gathered = [torch.empty(1 << 16) for _ in range(world)]
+            work = dist.all_gather(gathered, mine, async_op=True)
+            later = [torch.randn(1 << 16) * 2.0 for _ in range(8)]  # over budget: older storages leave
+            work.wait()
+            sums.append([float(t.sum()) for t in gathered])
+            del later
     return sums
