@@ -1,0 +1,59 @@
+"""Sessions on several threads at once (each its own model): the active session, the dispatch
+mode and the copy engines are per thread or per session, so each stays bitwise equal."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import torch
+
+from hyperpar.offload import OffloadConfig, OffloadSession
+from tests.reliability.bitwise import same_bits
+from tests.reliability.random_programs import B, D, Instr, RandomProgram
+
+# no dropout: the global RNG is shared by the threads
+PROGRAM = [Instr("linear", 0, 0, 0, 0), Instr("opaque", 2, 1, 0, 0), Instr("inplace_nograd", 3, 1, 0, 0),
+           Instr("max_tuple", 5, 3, 0, 0), Instr("split_cat", 6, 0, 0, 0)]
+
+
+def _train(seed: int, engine: str, problems: list[str]) -> None:
+    try:
+        model = RandomProgram(PROGRAM)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
+        twin = copy.deepcopy(model)
+        session = OffloadSession(OffloadConfig(max_resident_activation_mb=0, copy_engine=engine, verify=True))
+        gen = torch.Generator().manual_seed(seed)
+        for step in range(6):
+            x = torch.randn(B, D, generator=gen)
+            loss_a = model(x)
+            loss_a.backward()
+            with session:
+                loss_b = twin(x)
+                loss_b.backward()
+            if not same_bits(loss_a.detach(), loss_b.detach()):
+                problems.append(f"thread {seed} step {step}: loss")
+            for (name, pa), pb in zip(model.named_parameters(), twin.parameters(), strict=True):
+                if not same_bits(pa.grad, pb.grad):
+                    problems.append(f"thread {seed} step {step}: grad of {name}")
+            model.zero_grad(set_to_none=True)
+            twin.zero_grad(set_to_none=True)
+        if session.phase != "replay" or session.tracked_storages() != 0:
+            problems.append(f"thread {seed}: phase {session.phase}, {session.tracked_storages()} tracked")
+    except BaseException as exc:  # reported to the main thread
+        problems.append(f"thread {seed}: {exc!r}")
+
+
+def test_sessions_on_four_threads_at_once() -> None:
+    problems: list[str] = []
+    threads = [threading.Thread(target=_train, args=(seed, ("thread", "sync")[seed % 2], problems))
+               for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a session thread hung"
+    assert problems == []
+    assert OffloadSession.get_active() is None
