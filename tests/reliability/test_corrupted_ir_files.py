@@ -118,8 +118,6 @@ def test_not_a_json_object(raw: bytes, tmp_path: Path) -> None:
         ActivationTrace.load(path)
 
 
-@pytest.mark.xfail(strict=True, reason="ActivationTrace.load of a non-UTF-8 file raises a bare "
-                                       "UnicodeDecodeError without the path, reported to lead")
 def test_binary_garbage_is_named(tmp_path: Path) -> None:
     path = tmp_path / "trace.json"
     path.write_bytes(b"\xff\xfe\x00\x81 not text")

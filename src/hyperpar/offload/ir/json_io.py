@@ -21,7 +21,9 @@ def write_json(path: str | Path, kind: str, payload: dict[str, Any]) -> None:
 
 def read_json(path: str | Path, kind: str) -> dict[str, Any]:
     try:
-        doc = json.loads(Path(path).read_text())
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise IRFormatError(f"{path}: not a text (UTF-8) file ({exc.reason} at byte {exc.start})") from exc
     except json.JSONDecodeError as exc:
         raise IRFormatError(f"{path}: not valid JSON ({exc})") from exc
     if not isinstance(doc, dict):
