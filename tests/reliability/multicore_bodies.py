@@ -119,6 +119,7 @@ def early_exit_body(rank: int, world: int, leaver: int, how: str, stage: str) ->
     x = torch.ones(2)
     if stage == "close":
         m(x)
+    dist.barrier(group=sub)  # everyone is past the group's setup: the leaver leaves the next step only
     if rank == leaver:
         if how == "exit":
             os._exit(17)
