@@ -11,6 +11,16 @@ from hyperpar.offload.ir.report import StepReport
 from hyperpar.offload.runtime import OpTimer, ResidencyManager, StepTimeline
 from hyperpar.offload.runtime.copy_engine import CopySpan
 
+# func -> whether it is a c10d collective (cached: this is on every op's path).
+_COLLECTIVE: dict[Any, bool] = {}
+
+
+def is_collective(func: Any) -> bool:
+    found = _COLLECTIVE.get(func)
+    if found is None:
+        found = _COLLECTIVE[func] = getattr(func, "namespace", None) == "c10d"
+    return found
+
 
 class ExecutorBase:
     phase = "base"
@@ -28,6 +38,10 @@ class ExecutorBase:
     def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.passthrough:
             return func(*args, **kwargs)
+        if is_collective(func):
+            # An async collective (async_op=True) reads and writes its buffers after the op
+            # returns, until work.wait(): they must never be evicted in this step.
+            self.manager.pin(self.device_storages(tensor_inputs(args, kwargs)))
         if self.opaque_depth:
             self.untraced_op(func, args, kwargs)
             return func(*args, **kwargs)

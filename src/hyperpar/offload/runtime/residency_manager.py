@@ -115,6 +115,15 @@ class ResidencyManager:
             return entry
         return None
 
+    def pin(self, storages: list[torch.UntypedStorage]) -> None:
+        """Keep these storages on the device for the rest of the step (pages them in first)."""
+        for st in storages:
+            entry = self.lookup(st)
+            if entry is not None:
+                if not entry.resident or entry.free_pending:
+                    self.copy_h2d(entry, demand=True)
+                entry.evictable = False
+
     def _on_death(self, sid: int, ref: weakref.ref) -> None:
         # Keyed by sid (not the entry) so that entry -> ref -> callback makes no cycle.
         entry = self.entries.get(sid)
