@@ -12,9 +12,17 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
+# Seen once in ~40 torchrun runs under heavy load: gloo aborts a rank in process teardown
+# ("terminate called without an active exception"), after the example finished and printed
+# its checks. That one signature gets one retry; any other failure fails at once.
+_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 def _run(argv: list[str], timeout: float = 180) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
+    if proc.returncode != 0 and _TEARDOWN_ABORT in proc.stderr:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, f"{argv} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
 
