@@ -119,6 +119,7 @@ def test_not_a_json_object(raw: bytes, tmp_path: Path) -> None:
 
 
 def test_binary_garbage_is_named(tmp_path: Path) -> None:
+    """Regression (found here, fixed in the IR): a bare UnicodeDecodeError without the path."""
     path = tmp_path / "trace.json"
     path.write_bytes(b"\xff\xfe\x00\x81 not text")
     with pytest.raises(IRFormatError) as info:

@@ -40,8 +40,8 @@ def test_moe_under_offload_on_two_ranks() -> None:
 
 
 def test_async_collective_in_flight_while_over_budget() -> None:
-    """Found here: ``dist.all_gather(..., async_op=True)``, then ops that push the step over
-    the budget before ``work.wait()``: warmup evicts the output tensors (the oldest activations)
-    while gloo's thread still writes them. With a budget that evicts nothing it is right."""
+    """Regression (found here, fixed in capture): ``dist.all_gather(..., async_op=True)``, then
+    ops that push the step over the budget before ``work.wait()``: warmup evicted the output
+    tensors (the oldest activations) while gloo's thread still wrote them: SIGSEGV."""
     results = run_ranks(async_all_gather_in_session, 2, args=(0,), timeout=60)
     assert results == {r: [[65536.0, 131072.0]] * 3 for r in range(2)}
