@@ -74,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", choices=sorted(SIZES), default="small", help="GPT size (default small)")
     parser.add_argument("--batch-size", type=_positive_int, default=8, help="sequences per step (default 8)")
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and batches (default 0)")
-    parser.add_argument("--planner", choices=("greedy", "timed"), default="greedy",
+    parser.add_argument("--planner", choices=("greedy", "timed"), default="timed",
                         help="offload planner (default greedy)")
     parser.add_argument("--moe-ranks", type=_positive_int, default=2,
                         help="ranks for the MoE run (default 2)")

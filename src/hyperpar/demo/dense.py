@@ -58,7 +58,7 @@ def measure_activation_peak(spec: DemoSpec) -> tuple[int, ActivationTrace]:
 
 
 def train_dense(
-    spec: DemoSpec, steps: int, *, budget_bytes: int | None = None, planner: str = "greedy",
+    spec: DemoSpec, steps: int, *, budget_bytes: int | None = None, planner: str = "timed",
     on_step: StepCallback | None = None,
 ) -> tuple[RunResult, GPT, OffloadSession | None]:
     """``budget_bytes=None``: plain PyTorch. Otherwise every step runs in one OffloadSession."""

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hyperpar.offload import OffloadConfig
-from hyperpar.offload.planning import GreedyPlanner
+from hyperpar.offload.planning import GreedyPlanner, TimedPlanner
 
 BAD = [
     ({"max_resident_activation_mb": -1}, ValueError, "max_resident_activation_mb"),
@@ -43,7 +43,8 @@ def test_defaults_and_accepted_values() -> None:
     assert OffloadConfig(device=torch.device("cpu")).resolved_device() == torch.device("cpu")
     assert OffloadConfig(max_resident_activation_mb=0).budget_bytes == 0
     assert OffloadConfig(max_resident_activation_mb=0.5).budget_bytes == 1 << 19
-    assert isinstance(OffloadConfig().resolved_planner(), GreedyPlanner)
+    assert isinstance(OffloadConfig().resolved_planner(), TimedPlanner)
+    assert isinstance(OffloadConfig(planner="greedy").resolved_planner(), GreedyPlanner)
     planner = GreedyPlanner()
     assert OffloadConfig(planner=planner).resolved_planner() is planner
     with pytest.raises(AttributeError):

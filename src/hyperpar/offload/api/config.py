@@ -39,7 +39,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 class OffloadConfig:
     max_resident_activation_mb: float = 1024
     max_offload_activation_mb: float = 65536
-    planner: Any = "greedy"  # "greedy" | "timed" | an object with build(trace) -> schedule
+    planner: Any = "timed"  # "timed" (default) | "greedy" | an object with build(trace) -> schedule
     device: str | torch.device | None = None
     on_divergence: str = "retrace"
     verify: bool = False  # checksum every host copy at D2H, check it when the bytes come back

@@ -30,6 +30,9 @@ def attach_prediction(
     else:
         schedule.deficit_bytes = 0
         schedule.deficit_op = None
+    # Bytes over budget summed over ops: at a budget no plan can meet, the peak alone cannot
+    # tell a plan that relieves every other op from one that relieves none.
+    schedule.notes["over_budget_byte_ops"] = sum(r - budget for r in sim.resident_bytes if r > budget)
     schedule.notes["predicted_step_ms"] = sim.predicted_step_ms
     schedule.notes["exposed_wait_ms"] = sim.exposed_wait_ms
     return sim

@@ -68,9 +68,7 @@ class TimedPlanner:
                     plan.lay_out_lanes()
                     plan.pull_h2d_early()
                     leaner = self._emit(trace, plan, arrays, rounds)
-                    if (leaner.deficit_bytes, leaner.notes["exposed_wait_ms"]) <= (
-                        schedule.deficit_bytes, schedule.notes["exposed_wait_ms"]
-                    ):
+                    if _cost(leaner) <= _cost(schedule):
                         schedule = leaner
         if schedule.deficit_bytes:
             logger.warning(
@@ -89,6 +87,12 @@ class TimedPlanner:
                               rounds=rounds)
         attach_prediction(trace, schedule, arrays, log=False)
         return schedule
+
+
+def _cost(schedule: ResidencySchedule) -> tuple[int, int, float]:
+    """Lower is better: the peak's deficit, then bytes over budget at every op, then wait."""
+    n = schedule.notes
+    return schedule.deficit_bytes, n["over_budget_byte_ops"], n["exposed_wait_ms"]
 
 
 class _TimedPlan:
