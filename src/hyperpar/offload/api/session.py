@@ -3,6 +3,12 @@
 The first clean exit turns the warmup trace into a schedule; later entries replay it.
 Whatever happens inside, every evicted storage still alive is paged back in on exit, so
 the tensors the user keeps are ordinary tensors afterwards.
+
+A training loop may cycle through a few different steps (gradient accumulation: the first
+micro-step creates ``.grad``, the next ones add into it). The session keeps up to
+``MAX_PLANS`` plans keyed by the step's structure and learns which plan follows which: a
+step that diverged from its predicted plan makes the session trace the step that takes
+that place next time, after which the cycle replays without divergence.
 """
 
 from __future__ import annotations
@@ -10,6 +16,8 @@ from __future__ import annotations
 import contextvars
 import logging
 import time
+from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
@@ -45,6 +53,30 @@ def _outside_an_op() -> str:
     return "outside an op"
 
 
+MAX_PLANS = 4
+_UNKNOWN = object()  # no step has followed this plan yet
+
+
+@dataclass(eq=False)
+class _Plan:
+    signature: int
+    trace: ActivationTrace
+    schedule: ResidencySchedule
+    program: ReplayProgram
+    predicted_ms: float
+
+
+def _signature(trace: ActivationTrace, keys: list[object]) -> int:
+    """Everything replay binds by (ops, outputs, storage accesses and sizes), not timings."""
+    return hash((
+        tuple(keys),
+        tuple((g.output_leaf_count, tuple(sorted(g.output_bindings.items())), g.output_meta)
+              for g in trace.guides),
+        tuple(op.accesses for op in trace.ops),
+        tuple(sorted(trace.storage_sizes.items())),
+    ))
+
+
 class OffloadSession:
     def __init__(self, config: OffloadConfig | None = None) -> None:
         if config is None:
@@ -62,8 +94,11 @@ class OffloadSession:
         self.trace: ActivationTrace | None = None
         self.schedule: ResidencySchedule | None = None
         self.last_report: StepReport | None = None
-        self._program: ReplayProgram | None = None
-        self._keys: list[object] | None = None
+        self._plans: OrderedDict[int, _Plan] = OrderedDict()  # signature -> plan, oldest first
+        self._next: dict[int, int | None] = {}  # plan -> the plan that followed it (None: trace)
+        self._prev: int | None = None  # plan of the last clean, undiverged step
+        self._came_from: int | None = None  # self._prev when the running step entered
+        self._running: _Plan | None = None  # the plan the running replay follows
         self._pool = HostPool(config.offload_cap_bytes, pin_memory=self.device.type != "cpu")
         engine: CopyEngine = (make_copy_engine(self.device, config.copy_engine)
                               if isinstance(config.copy_engine, str) else config.copy_engine)
@@ -71,7 +106,6 @@ class OffloadSession:
         self._timer = OpTimer(self.device)
         self._record_timeline = config.timeline
         self._timeline: StepTimeline | None = None
-        self._predicted_ms: float | None = None
         self.link_bandwidth: dict[str, object] | None = None
         self._executor: ExecutorBase | None = None
         self._mode: OffloadDispatchMode | None = None
@@ -118,8 +152,10 @@ class OffloadSession:
         m.bytes_d2h = m.bytes_h2d = m.demand_faults = m.cap_hits = 0
         self._pool.new_step()
         budget = self.config.budget_bytes
-        if self.phase == "replay" and self._program is not None:
-            executor: ExecutorBase = ReplayExecutor(m, self.device, budget, self._program,
+        plan = self._choose()
+        self._came_from, self._running = self._prev, plan
+        if plan is not None:
+            executor: ExecutorBase = ReplayExecutor(m, self.device, budget, plan.program,
                                                     self.config.on_divergence)
             if self._record_timeline:
                 executor.timer = self._timer
@@ -172,28 +208,72 @@ class OffloadSession:
             raise pending
         return False
 
+    def _choose(self) -> _Plan | None:
+        """The plan the next step should replay, or None to trace it."""
+        if self._prev is None or self._prev not in self._plans:
+            return None
+        nxt = self._next.get(self._prev, _UNKNOWN)
+        if nxt is _UNKNOWN:  # assume steps repeat until one diverges
+            return self._plans[self._prev]
+        return None if nxt is None else self._plans.get(nxt)  # type: ignore[arg-type]
+
     def _after_clean_step(self, executor: ExecutorBase, report: StepReport) -> None:
         if isinstance(executor, WarmupExecutor):
             link = probe_link(self.device, self._manager.engine)
             self.link_bandwidth = link.as_dict()
             trace = executor.build_trace(link.d2h_gbps, link.h2d_gbps)
-            schedule = self.config.resolved_planner().build(trace)
-            predicted = schedule.notes.get("predicted_step_ms")
-            if not isinstance(predicted, (int, float)) or isinstance(predicted, bool):
-                from hyperpar.offload.planning import simulate  # planning sits beside capture
-
-                predicted = simulate(trace, schedule).predicted_step_ms
-            self._predicted_ms = float(predicted)
-            self._program = ReplayProgram.build(trace, schedule, executor.keys)
-            self.trace, self.schedule = trace, schedule
-            self.phase = "replay"
+            signature = _signature(trace, executor.keys)
+            plan = self._plans.get(signature)
+            if plan is None:
+                plan = self._new_plan(signature, trace, executor.keys)
+            self._plans.move_to_end(signature)
+            self._learn(signature)
+            report.predicted_step_ms = None
         elif isinstance(executor, ReplayExecutor):
-            report.predicted_step_ms = self._predicted_ms
+            plan = self._running
+            assert plan is not None
+            report.predicted_step_ms = plan.predicted_ms
             if executor.timer is not None:
                 self._timeline = executor.timeline(self._manager.engine.spans())
-            if report.diverged_at is not None and self.config.on_divergence == "retrace":
-                self.phase = "warmup"  # re-trace at the next entry ("raise" leaves the phase as it is)
+            if report.diverged_at is None:
+                self._plans.move_to_end(plan.signature)
+                self._learn(plan.signature)
+            elif self.config.on_divergence == "retrace":
+                # Trace the step that comes in this place next time; the one after this
+                # diverged step is traced too, since nothing is known about where we are.
+                if self._came_from is not None:
+                    self._next[self._came_from] = None
+                self._prev = None
+        else:
+            plan = None
+        if plan is not None:
+            self.trace, self.schedule = plan.trace, plan.schedule
+        if not (isinstance(executor, ReplayExecutor) and report.diverged_at is not None
+                and self.config.on_divergence == "raise"):
+            self.phase = "warmup" if self._choose() is None else "replay"
         self.last_report = report
+
+    def _new_plan(self, signature: int, trace: ActivationTrace, keys: list[object]) -> _Plan:
+        schedule = self.config.resolved_planner().build(trace)
+        predicted = schedule.notes.get("predicted_step_ms")
+        if not isinstance(predicted, (int, float)) or isinstance(predicted, bool):
+            from hyperpar.offload.planning import simulate  # planning sits beside capture
+
+            predicted = simulate(trace, schedule).predicted_step_ms
+        plan = _Plan(signature, trace, schedule, ReplayProgram.build(trace, schedule, keys),
+                     float(predicted))
+        self._plans[signature] = plan
+        while len(self._plans) > MAX_PLANS:
+            old, _ = self._plans.popitem(last=False)
+            self._next.pop(old, None)
+            for key in [k for k, v in self._next.items() if v == old]:
+                del self._next[key]
+        return plan
+
+    def _learn(self, signature: int) -> None:
+        if self._came_from is not None and self._came_from in self._plans:
+            self._next[self._came_from] = signature
+        self._prev = signature
 
     def _reset_active(self) -> None:
         token, self._token = self._token, None

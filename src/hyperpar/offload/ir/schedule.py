@@ -123,6 +123,9 @@ class ResidencySchedule:
         if len(pre) != len(post):
             raise IRFormatError(f"{where}: pre has {len(pre)} ops but post has {len(post)}")
         deficit_op = doc.get("deficit_op")
+        notes = doc.get("notes", {})
+        if not isinstance(notes, dict):
+            raise IRFormatError(f"{where}: field 'notes' must be an object, got {notes!r}")
         return cls(
             pre=pre,
             post=post,
@@ -133,7 +136,7 @@ class ResidencySchedule:
             ),
             deficit_bytes=non_negative_int(doc.get("deficit_bytes", 0), f"{where}: deficit"),
             deficit_op=None if deficit_op is None else non_negative_int(deficit_op, where),
-            notes=dict(doc.get("notes", {}) or {}),
+            notes=dict(notes),
         )
 
     def save(self, path: str | Path) -> None:
