@@ -65,25 +65,48 @@ def _accumulate(total: torch.Tensor | None, part: torch.Tensor | None) -> torch.
 
 def route_rows(
     source: torch.Tensor, source_is_tokens: bool, plan: RoutePlan, workspace: MoeWorkspace,
-    math: ExpertMath, compute: Any, return_results: bool = True,
+    math: ExpertMath, compute: Any, return_results: bool = True, row_scale: torch.Tensor | None = None,
+    sum_over_k: bool = False,
 ) -> torch.Tensor | None:
     """Send rows of ``source`` to their experts, run ``compute(chunk_index, route,
     expert_major_rows) -> expert_major_result`` there, and bring the results back
     un-permuted: returns a new [T*K, H] tensor in (token, k) order (or nothing, without
     the return trip, when ``return_results`` is False). ``source`` holds one row per
-    token ([T, H]) or one per (token, k) pair ([T*K, H])."""
+    token ([T, H]) or one per (token, k) pair ([T*K, H]).
+
+    ``row_scale`` ([T*K], (token, k) order) multiplies every sent row by its route's
+    weight as it is gathered, so no weighted [T*K, H] copy of the source is made first.
+    ``sum_over_k`` returns the results summed over each token's routes ([T, H]) instead,
+    accumulated straight from the returned rows without un-permuting them first."""
     total_rows = plan.num_tokens * plan.top_k
     hidden = source.shape[1]
-    result = source.new_empty(total_rows, hidden) if return_results else None
+    result: torch.Tensor | None = None
+    if return_results:
+        result = (source.new_zeros(plan.num_tokens, hidden) if sum_over_k
+                  else source.new_empty(total_rows, hidden))
 
     def pick(route: ChunkRoute) -> torch.Tensor:
         return route.source_token if source_is_tokens else route.order
 
+    def gather(route: ChunkRoute, out: torch.Tensor | None = None) -> torch.Tensor:
+        rows = torch.index_select(source, 0, pick(route), out=out) if out is not None \
+            else source.index_select(0, pick(route))
+        if row_scale is not None:
+            rows.mul_(row_scale.index_select(0, route.order).unsqueeze(1))
+        return rows
+
+    def give_back(route: ChunkRoute, rows: torch.Tensor) -> None:
+        assert result is not None
+        if sum_over_k:
+            result.index_add_(0, route.source_token, rows)
+        else:
+            result.index_copy_(0, route.order, rows)
+
     if math.ep_size == 1:
         for c, route in enumerate(plan.chunks):
-            out = compute(c, route, source.index_select(0, pick(route)))
+            out = compute(c, route, gather(route))
             if result is not None:
-                result.index_copy_(0, route.order, out)
+                give_back(route, out)
         return result
 
     # Each chunk owns a disjoint slice of both buffers. Its received rows are copied out
@@ -99,7 +122,7 @@ def route_rows(
     dispatches = []
     for route in plan.chunks:
         send, recv = views(route)
-        torch.index_select(source, 0, pick(route), out=send)
+        gather(route, send)
         dispatches.append(_exchange(recv, send, route.recv_splits, route.send_splits, math))
     combines = []
     for c, (route, work) in enumerate(zip(plan.chunks, dispatches, strict=True)):
@@ -113,7 +136,7 @@ def route_rows(
     if result is not None:
         for route, work in zip(plan.chunks, combines, strict=True):
             work.wait()
-            result.index_copy_(0, route.order, views(route)[0])
+            give_back(route, views(route)[0])
     return result
 
 
@@ -178,8 +201,7 @@ class MoeExpertsFunction(torch.autograd.Function):
         # Whether gradient rows travel, and come back, is decided by every EP rank's needs
         # (agreed in the plan), so one rank's frozen weights cannot leave another waiting.
         if plan.backward_dispatch:
-            rows_grad = (topk_weights.to(grad.dtype).view(tokens, top_k, 1)
-                         * grad.view(tokens, 1, hidden_size)).view(tokens * top_k, hidden_size)
+            route_weights = topk_weights.to(grad.dtype).reshape(tokens * top_k)
             weight_grads: list[torch.Tensor | None] = [None, None]
 
             def compute(c: int, route: ChunkRoute, rows: torch.Tensor) -> torch.Tensor | None:
@@ -190,11 +212,11 @@ class MoeExpertsFunction(torch.autograd.Function):
                 return out
 
             with workspace.lease("backward"):
-                back = route_rows(rows_grad, False, plan, workspace, math, compute,
-                                  return_results=plan.backward_combine)
+                back = route_rows(grad, True, plan, workspace, math, compute,
+                                  return_results=plan.backward_combine, row_scale=route_weights,
+                                  sum_over_k=True)
             if need_hidden:
-                assert back is not None
-                hidden_grad = back.view(tokens, top_k, hidden_size).sum(1)
+                hidden_grad = back
             gate_up_grad, down_grad = weight_grads
             if want_expert_weights and gate_up_grad is None:  # no chunk at all
                 gate_up_grad, down_grad = torch.zeros_like(gate_up), torch.zeros_like(down)

@@ -24,7 +24,7 @@ def _limited(pre: torch.Tensor, limit: float | None) -> tuple[torch.Tensor, torc
 def swiglu(pre: torch.Tensor, limit: float | None) -> torch.Tensor:
     """``silu(g) * u`` for ``pre = [g | u]`` ([R, 2I] -> [R, I]); with ``limit``: g <= L, |u| <= L."""
     gate, up = _limited(pre, limit)
-    return F.silu(gate) * up
+    return F.silu(gate).mul_(up)
 
 
 def swiglu_backward(pre: torch.Tensor, grad: torch.Tensor, limit: float | None,
