@@ -9,6 +9,7 @@ before this layer's backward runs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,21 +41,31 @@ def _experts_forward(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tens
     return pre, grouped_mm(act, down, route.expert_counts, route.expert_offsets)
 
 
+WeightGrads = Callable[[], tuple[torch.Tensor, torch.Tensor]]
+
+
 def _experts_backward(rows: torch.Tensor, pre: torch.Tensor, grad: torch.Tensor, gate_up: torch.Tensor,
                       down: torch.Tensor, route: ChunkRoute, math: ExpertMath, want_weights: bool,
                       want_rows: bool,
-                      ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+                      ) -> tuple[torch.Tensor | None, WeightGrads | None]:
+    """The rows' gradient now, and (when wanted) the weight gradients as a deferred step:
+    the caller runs it while the rows' gradient is on the wire back."""
     counts, offsets = route.expert_counts, route.expert_offsets
     act_grad = grouped_mm(grad, down.transpose(1, 2), counts, offsets)
     pre_grad, act = swiglu_backward(pre, act_grad, math.swiglu_limit, want_activation=want_weights)
-    down_grad = gate_up_grad = rows_grad = None
-    if want_weights:
-        assert act is not None
-        down_grad = grouped_weight_grad(act, grad, counts, offsets)
-        gate_up_grad = grouped_weight_grad(rows, pre_grad, counts, offsets)
+    del act_grad
+    rows_grad = None
     if want_rows:
         rows_grad = grouped_mm(pre_grad, gate_up.transpose(1, 2), counts, offsets)
-    return rows_grad, gate_up_grad, down_grad
+    if not want_weights:
+        return rows_grad, None
+    assert act is not None
+    activation = act
+
+    def weight_grads() -> tuple[torch.Tensor, torch.Tensor]:
+        return (grouped_weight_grad(rows, pre_grad, counts, offsets),
+                grouped_weight_grad(activation, grad, counts, offsets))
+    return rows_grad, weight_grads
 
 
 def _accumulate(total: torch.Tensor | None, part: torch.Tensor | None) -> torch.Tensor | None:
@@ -66,7 +77,8 @@ def _accumulate(total: torch.Tensor | None, part: torch.Tensor | None) -> torch.
 def route_rows(
     source: torch.Tensor, source_is_tokens: bool, plan: RoutePlan, workspace: MoeWorkspace,
     math: ExpertMath, compute: Any, return_results: bool = True, row_scale: torch.Tensor | None = None,
-    sum_over_k: bool = False,
+    sum_over_k: bool = False, after_dispatch: Callable[[], None] | None = None,
+    after_combine: Callable[[int], None] | None = None,
 ) -> torch.Tensor | None:
     """Send rows of ``source`` to their experts, run ``compute(chunk_index, route,
     expert_major_rows) -> expert_major_result`` there, and bring the results back
@@ -77,7 +89,10 @@ def route_rows(
     ``row_scale`` ([T*K], (token, k) order) multiplies every sent row by its route's
     weight as it is gathered, so no weighted [T*K, H] copy of the source is made first.
     ``sum_over_k`` returns the results summed over each token's routes ([T, H]) instead,
-    accumulated straight from the returned rows without un-permuting them first."""
+    accumulated straight from the returned rows without un-permuting them first.
+    ``after_dispatch()`` runs once every chunk's rows are on the wire, ``after_combine(c)``
+    once chunk ``c``'s results are (or, without the return trip, once it is computed):
+    work that needs neither is hidden behind the communication."""
     total_rows = plan.num_tokens * plan.top_k
     hidden = source.shape[1]
     result: torch.Tensor | None = None
@@ -103,10 +118,14 @@ def route_rows(
             result.index_copy_(0, route.order, rows)
 
     if math.ep_size == 1:
+        if after_dispatch is not None:
+            after_dispatch()
         for c, route in enumerate(plan.chunks):
             out = compute(c, route, gather(route))
             if result is not None:
                 give_back(route, out)
+            if after_combine is not None:
+                after_combine(c)
         return result
 
     # Each chunk owns a disjoint slice of both buffers. Its received rows are copied out
@@ -124,6 +143,8 @@ def route_rows(
         send, recv = views(route)
         gather(route, send)
         dispatches.append(_exchange(recv, send, route.recv_splits, route.send_splits, math))
+    if after_dispatch is not None:
+        after_dispatch()
     combines = []
     for c, (route, work) in enumerate(zip(plan.chunks, dispatches, strict=True)):
         send, recv = views(route)
@@ -133,6 +154,8 @@ def route_rows(
         if result is not None:
             recv.index_copy_(0, route.recv_to_expert, out)
             combines.append(_exchange(send, recv, route.send_splits, route.recv_splits, math))
+        if after_combine is not None:
+            after_combine(c)
     if result is not None:
         for route, work in zip(plan.chunks, combines, strict=True):
             work.wait()
@@ -191,11 +214,14 @@ class MoeExpertsFunction(torch.autograd.Function):
         need_hidden, need_weights, need_gate_up, need_down = ctx.needs_input_grad[:4]
         want_expert_weights = need_gate_up or need_down
 
-        weights_grad = None
-        if need_weights:
-            weights_grad = torch.bmm(expert_out.view(tokens, top_k, hidden_size),
-                                     grad.view(tokens, hidden_size, 1)).view(tokens, top_k)
-            weights_grad = weights_grad.to(topk_weights.dtype)
+        weights_grad: torch.Tensor | None = None
+
+        def routing_weights_grad() -> None:
+            nonlocal weights_grad
+            if need_weights:
+                weights_grad = torch.bmm(expert_out.view(tokens, top_k, hidden_size),
+                                         grad.view(tokens, hidden_size, 1)).view(tokens, top_k)
+                weights_grad = weights_grad.to(topk_weights.dtype)
 
         hidden_grad = gate_up_grad = down_grad = None
         # Whether gradient rows travel, and come back, is decided by every EP rank's needs
@@ -203,23 +229,33 @@ class MoeExpertsFunction(torch.autograd.Function):
         if plan.backward_dispatch:
             route_weights = topk_weights.to(grad.dtype).reshape(tokens * top_k)
             weight_grads: list[torch.Tensor | None] = [None, None]
+            deferred: list[WeightGrads | None] = [None]
 
             def compute(c: int, route: ChunkRoute, rows: torch.Tensor) -> torch.Tensor | None:
-                out, gu, dn = _experts_backward(ctx.saved_rows[c], ctx.saved_pre[c], rows, gate_up, down,
-                                                route, math, want_expert_weights, plan.backward_combine)
-                weight_grads[0] = _accumulate(weight_grads[0], gu)
-                weight_grads[1] = _accumulate(weight_grads[1], dn)
+                out, deferred[0] = _experts_backward(ctx.saved_rows[c], ctx.saved_pre[c], rows, gate_up,
+                                                     down, route, math, want_expert_weights,
+                                                     plan.backward_combine)
                 return out
+
+            def expert_weight_grads(c: int) -> None:
+                step, deferred[0] = deferred[0], None
+                if step is not None:
+                    gu, dn = step()
+                    weight_grads[0] = _accumulate(weight_grads[0], gu)
+                    weight_grads[1] = _accumulate(weight_grads[1], dn)
 
             with workspace.lease("backward"):
                 back = route_rows(grad, True, plan, workspace, math, compute,
                                   return_results=plan.backward_combine, row_scale=route_weights,
-                                  sum_over_k=True)
+                                  sum_over_k=True, after_dispatch=routing_weights_grad,
+                                  after_combine=expert_weight_grads)
             if need_hidden:
                 hidden_grad = back
             gate_up_grad, down_grad = weight_grads
             if want_expert_weights and gate_up_grad is None:  # no chunk at all
                 gate_up_grad, down_grad = torch.zeros_like(gate_up), torch.zeros_like(down)
+        else:
+            routing_weights_grad()
         ctx.pending.release()
         return (hidden_grad, weights_grad, gate_up_grad if need_gate_up else None,
                 down_grad if need_down else None, None, None, None)
