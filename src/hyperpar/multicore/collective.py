@@ -125,6 +125,13 @@ def collective_call(stage_name: str, fn: Callable[[], T], group: Any = None) -> 
 
     Only ``Exception`` is caught: an interrupt still stops this rank at once.
     """
+    return agree_on(stage_name, fn, lambda value: exchange(value, group), group_ranks(group))
+
+
+def agree_on(stage_name: str, fn: Callable[[], T], gather: Callable[[Any], list[Any]],
+             ranks: list[int]) -> T:
+    """``collective_call`` with the exchange given: ``gather(value)`` returns every rank's
+    value in the order of ``ranks`` (a caller bound to a fixed group or to no group at all)."""
     result: Any = None
     local_exc: Exception | None = None
     try:
@@ -132,6 +139,5 @@ def collective_call(stage_name: str, fn: Callable[[], T], group: Any = None) -> 
     except Exception as exc:
         local_exc = exc
         logger.debug("stage %r failed locally: %s", stage_name, exc)
-    outcomes = exchange(outcome_of(local_exc), group)
-    raise_if_any_failed(stage_name, outcomes, group_ranks(group), local_exc)
+    raise_if_any_failed(stage_name, gather(outcome_of(local_exc)), ranks, local_exc)
     return result

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from hyperpar.multicore.collective import (
     CollectiveError,
+    agree_on,
     exchange,
     group_ranks,
     is_distributed,
@@ -61,14 +62,7 @@ class _Scope:
 
     def agree(self, stage: str, fn: Callable[[], Any]) -> Any:
         """Run fn locally; raise the same CollectiveError on every rank if any rank failed."""
-        result: Any = None
-        local_exc: Exception | None = None
-        try:
-            result = fn()
-        except Exception as exc:
-            local_exc = exc
-        raise_if_any_failed(stage, self.gather(outcome_of(local_exc)), self.ranks(), local_exc)
-        return result
+        return agree_on(stage, fn, self.gather, self.ranks())
 
 
 def _is_idle(group: ResourceGroup) -> bool:
