@@ -21,28 +21,27 @@ Tensor = torch.Tensor
 _GRAD_ANCHOR = torch.empty(0, requires_grad=True)
 
 
-class _Internal:
-    """Ops run untouched by the mode while the executor does its own bookkeeping."""
+class _Raised:
+    """Raise one of the executor's depth counters for a block: ``passthrough`` (ops run
+    untouched while the executor does its own bookkeeping) or ``opaque_depth`` (ops run
+    untraced inside the region)."""
 
-    def __init__(self, ex: ExecutorBase) -> None:
-        self.ex = ex
-
-    def __enter__(self) -> None:
-        self.ex.passthrough += 1
-
-    def __exit__(self, *exc: object) -> None:
-        self.ex.passthrough -= 1
-
-
-class _Untraced:
-    def __init__(self, ex: ExecutorBase) -> None:
-        self.ex = ex
+    def __init__(self, ex: ExecutorBase, counter: str) -> None:
+        self.ex, self.counter = ex, counter
 
     def __enter__(self) -> None:
-        self.ex.opaque_depth += 1
+        setattr(self.ex, self.counter, getattr(self.ex, self.counter) + 1)
 
     def __exit__(self, *exc: object) -> None:
-        self.ex.opaque_depth -= 1
+        setattr(self.ex, self.counter, getattr(self.ex, self.counter) - 1)
+
+
+def _internal(ex: ExecutorBase) -> _Raised:
+    return _Raised(ex, "passthrough")
+
+
+def _untraced(ex: ExecutorBase) -> _Raised:
+    return _Raised(ex, "opaque_depth")
 
 
 def _storage_refs(ex: ExecutorBase, tensors: list[Tensor]) -> list[weakref.ref]:
@@ -53,9 +52,9 @@ class _OpaqueRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, ex: ExecutorBase, name: str, fn: Any, flat: list[Any], spec: Any,
                 positions: list[int], box: dict[str, Any], _anchor: Tensor, *tensors: Tensor) -> Any:
-        with _Internal(ex):
+        with _internal(ex):
             token = ex.begin_opaque(name, ex.device_storages(list(tensors)))
-        with _Untraced(ex), torch.enable_grad():
+        with _untraced(ex), torch.enable_grad():
             detached = []
             for t in tensors:
                 d = t.detach()
@@ -71,7 +70,7 @@ class _OpaqueRegion(torch.autograd.Function):
             out_pos = [i for i, o in enumerate(out_flat) if isinstance(o, Tensor)]
             inner = [out_flat[i] for i in out_pos]
             results = tuple(o.detach() for o in inner)
-        with _Internal(ex):
+        with _internal(ex):
             ex.end_opaque(token, list(inner))
         box.update(flat=out_flat, spec=out_spec, positions=out_pos)
         ctx.ex, ctx.name = ex, name
@@ -89,17 +88,17 @@ class _OpaqueRegion(torch.autograd.Function):
         token = None
         if live:
             reads = [st for st in (r() for r in ctx.reads) if st is not None]
-            with _Internal(ex):
+            with _internal(ex):
                 token = ex.begin_opaque(ctx.name + ".backward",
                                         reads + ex.device_storages([g for g in grads if g is not None]))
-        with _Untraced(ex), torch.enable_grad():
+        with _untraced(ex), torch.enable_grad():
             pairs = [(o, g) for o, g in zip(ctx.inner, grads, strict=True)
                      if o.requires_grad and g is not None]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
             input_grads = [None if d is None else d.grad for d in ctx.leaves]
         if live:
-            with _Internal(ex):
+            with _internal(ex):
                 ex.end_opaque(token, [g for g in input_grads if g is not None])
         ctx.inner = ctx.leaves = ctx.reads = None
         return (None,) * 8 + tuple(input_grads)
@@ -111,11 +110,11 @@ def run_opaque(ex: ExecutorBase, name: str, fn: Any, args: tuple[Any, ...], kwar
     positions = [i for i, a in enumerate(flat) if isinstance(a, Tensor)]
     tensors = [flat[i] for i in positions]
     if not torch.is_grad_enabled():
-        with _Internal(ex):
+        with _internal(ex):
             token = ex.begin_opaque(name, ex.device_storages(tensors))
-        with _Untraced(ex):
+        with _untraced(ex):
             out = fn(*args, **kwargs)
-        with _Internal(ex):
+        with _internal(ex):
             ex.end_opaque(token, [o for o in tree_flatten(out)[0] if isinstance(o, Tensor)])
         return out
     box: dict[str, Any] = {}
