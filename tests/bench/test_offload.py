@@ -30,5 +30,19 @@ def test_quick_mode_writes_ratios_and_prediction_error(tmp_path: Path,
     for r in (peak, half):
         assert math.isfinite(r["ratio_to_plain"]) and r["ratio_to_plain"] > 0
         assert r["predicted_step_ms"] > 0 and math.isfinite(r["prediction_error"])
+    floor = doc["passthrough"]
+    assert floor["step_ms"] > 0 and math.isfinite(floor["ratio_to_plain"])
     printed = capsys.readouterr().out
-    assert "replay_at_peak" in printed and "replay_at_50" in printed
+    assert "replay_at_peak" in printed and "replay_at_50" in printed and "passthrough" in printed
+
+
+def test_one_variant_alone_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "offload.json"
+    threads = torch.get_num_threads()
+    try:
+        assert main(["bench", "offload", "--quick", "--steps", "2", "--variant", "replay",
+                     "--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert not out.exists()
+    assert capsys.readouterr().out.startswith("replay: median ")

@@ -1,12 +1,15 @@
 """``hyperpar bench offload``: what replay costs on CPU, side by side with the plain step.
 
-Two measurements on the package's GPT, each interleaved with plain steps in one run so the
+Measurements on the package's GPT, each interleaved with plain steps in one run so the
 machine's state affects both alike:
 1. budget = the activation peak (nothing needs to move): replay / plain step time, the
    per-op cost of the dispatch path (goal <= 1.10);
-2. budget = 50 % of the peak with the thread copy engine: measured replay step time vs the
+2. a do-nothing TorchDispatchMode: the floor any interception pays, for comparison with 1;
+3. budget = 50 % of the peak with the thread copy engine: measured replay step time vs the
    simulator's ``predicted_step_ms`` for the schedule (goal: within 25 %).
 Writes ``benchmarks/results/offload.json`` (or ``--out``) with machine, torch and command.
+``--variant plain|replay|passthrough`` times one variant alone (nothing written), for
+whole-process timers run side by side from outside.
 """
 
 from __future__ import annotations
@@ -22,8 +25,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 MIB = 1 << 20
+VARIANTS = ("all", "plain", "replay", "passthrough")
+
+
+class PassThrough(TorchDispatchMode):
+    """The floor: a dispatch mode that only calls the op."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        return func(*args, **(kwargs or {}))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,14 +45,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed steps per variant (default 9; quick 3)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (1: steadier timings on a shared machine)")
+    parser.add_argument("--batch", type=int, default=None, help="batch size (default 16; quick 4)")
+    parser.add_argument("--variant", choices=VARIANTS, default="all",
+                        help="time one variant alone (for whole-process timers); default: all, side by side")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/offload.json"))
 
 
-def _model(quick: bool) -> tuple[Callable[[], torch.Tensor], torch.nn.Module, dict[str, Any]]:
+def _model(quick: bool, batch: int | None) -> tuple[Callable[[], torch.Tensor], torch.nn.Module,
+                                                      dict[str, Any]]:
     from hyperpar.models import GPT, GPTConfig, random_batch
 
     cfg = GPTConfig.tiny() if quick else GPTConfig.small()
-    batch = 4 if quick else 16
+    batch = batch if batch is not None else (4 if quick else 16)
     torch.manual_seed(0)
     model = GPT(cfg)
     x, y = random_batch(cfg, batch, torch.Generator().manual_seed(1))
@@ -47,6 +64,7 @@ def _model(quick: bool) -> tuple[Callable[[], torch.Tensor], torch.nn.Module, di
 
 
 def _step(loss_fn: Callable[[], torch.Tensor], model: torch.nn.Module, session: Any = None) -> float:
+    """One fwd+bwd in ms; ``session`` is an OffloadSession, a PassThrough mode, or None."""
     model.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
     if session is None:
@@ -65,10 +83,10 @@ def _interleaved(steps: int, runs: dict[str, Callable[[], float]]) -> dict[str, 
     return times
 
 
-def measure(quick: bool, steps: int) -> dict[str, Any]:
+def measure(quick: bool, steps: int, batch: int | None = None, variant: str = "all") -> dict[str, Any]:
     from hyperpar.offload import OffloadConfig, OffloadSession
 
-    loss_fn, model, model_info = _model(quick)
+    loss_fn, model, model_info = _model(quick, batch)
     for _ in range(2):
         _step(loss_fn, model)  # warm the allocator and the kernels
     probe = OffloadSession(OffloadConfig(max_resident_activation_mb=1 << 20, device="cpu"))
@@ -81,7 +99,11 @@ def measure(quick: bool, steps: int) -> dict[str, Any]:
     for s in sessions.values():
         _step(loss_fn, model, s)  # warmup: trace and plan
         _step(loss_fn, model, s)  # first replay
-    runs: dict[str, Callable[[], float]] = {"plain": lambda: _step(loss_fn, model)}
+    if variant != "all":
+        alone = {"plain": None, "replay": sessions["replay_at_peak"], "passthrough": PassThrough()}[variant]
+        return {"variant": variant, "step_ms_all": [_step(loss_fn, model, alone) for _ in range(steps)]}
+    runs: dict[str, Callable[[], float]] = {"plain": lambda: _step(loss_fn, model),
+                                            "passthrough": lambda: _step(loss_fn, model, PassThrough())}
     reports: dict[str, list[Any]] = {name: [] for name in sessions}
 
     def replay(name: str) -> Callable[[], float]:
@@ -95,8 +117,12 @@ def measure(quick: bool, steps: int) -> dict[str, Any]:
         runs[name] = replay(name)
     times = _interleaved(steps, runs)
     plain = statistics.median(times["plain"])
+    floor = statistics.median(times["passthrough"])
+    ops = reports["replay_at_peak"][-1].op_count
     out: dict[str, Any] = {"model": model_info, "activation_peak_bytes": peak, "steps": steps,
-                           "plain_step_ms": plain, "plain_step_ms_all": times["plain"]}
+                           "plain_step_ms": plain, "plain_step_ms_all": times["plain"],
+                           "passthrough": {"step_ms": floor, "ratio_to_plain": floor / plain,
+                                           "per_op_overhead_us": (floor - plain) * 1e3 / max(ops, 1)}}
     for name, session in sessions.items():
         last = reports[name][-1]
         med = statistics.median(times[name])
@@ -131,6 +157,8 @@ def _command(args: argparse.Namespace) -> str:
         parts.append("--quick")
     if args.steps is not None:
         parts += ["--steps", str(args.steps)]
+    if args.batch is not None:
+        parts += ["--batch", str(args.batch)]
     return " ".join([*parts, "--threads", str(args.threads), "--out", str(args.out)])
 
 
@@ -140,9 +168,15 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--steps must be >= 1, got {steps}")
     if args.threads < 1:
         raise SystemExit(f"--threads must be >= 1, got {args.threads}")
+    if args.batch is not None and args.batch < 1:
+        raise SystemExit(f"--batch must be >= 1, got {args.batch}")
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    result = measure(args.quick, steps)
+    result = measure(args.quick, steps, args.batch, args.variant)
+    if args.variant != "all":
+        times = result["step_ms_all"]
+        print(f"{args.variant}: median {statistics.median(times):.2f} ms over {len(times)} steps")
+        return 0
     doc = {
         "benchmark": "offload",
         "command": _command(args),
@@ -159,6 +193,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'variant':16s} {'step ms':>9s} {'x plain':>8s} {'us/op':>7s} {'predicted':>10s} {'error':>7s} "
           f"{'x pred':>7s} {'wait ms':>8s} {'MiB d2h':>8s}")
     print(f"{'plain':16s} {result['plain_step_ms']:9.2f} {1.0:8.3f}")
+    floor = result["passthrough"]
+    print(f"{'passthrough':16s} {floor['step_ms']:9.2f} {floor['ratio_to_plain']:8.3f} "
+          f"{floor['per_op_overhead_us']:7.1f}   (a do-nothing dispatch mode: the floor)")
     for name, r in (("replay_at_peak", peak), ("replay_at_50", half)):
         pred = f"{r['predicted_step_ms']:10.2f}" if r.get("predicted_step_ms") else f"{'-':>10s}"
         err = f"{r['prediction_error'] * 100:6.1f}%" if "prediction_error" in r else f"{'-':>7s}"
