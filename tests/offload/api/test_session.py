@@ -123,10 +123,12 @@ def test_different_batch_size_retraces_and_stays_correct(caplog: pytest.LogCaptu
         assert _equal(_grads(model, _x(10), session), _grads(reference, _x(10)))
     assert ("expected aten.addmm.default -> [(6, 32):float32], got aten.addmm.default -> "
             "[(10, 32):float32]") in caplog.text
-    assert session.last_report.diverged_at is not None and session.phase == "warmup"
-    for phase in ("warmup", "replay"):
+    # The diverged step finished online and traced itself: the new shape replays at once.
+    assert session.last_report.diverged_at is not None and session.phase == "replay"
+    assert 0 < session.last_report.peak_resident_bytes
+    for _ in range(2):
         assert _equal(_grads(model, _x(10, 1), session), _grads(reference, _x(10, 1)))
-        assert session.last_report.phase == phase and session.last_report.diverged_at is None
+        assert session.last_report.phase == "replay" and session.last_report.diverged_at is None
 
 
 class _Switch(nn.Module):
@@ -165,12 +167,20 @@ def test_raise_on_divergence_names_the_op_and_frees_everything() -> None:
     with pytest.raises(OffloadDivergenceError, match=pattern):
         _grads(model, _x(), session)
     assert session.held_bytes() == 0 and session.tracked_storages() == 0
-    model.extra = False
+    # Raised once for the new structure: the next step is traced, then both kinds replay
+    # (a step of either kind switches to its known plan) and nothing raises any more.
+    assert session.phase == "warmup"
+    reference.extra = True
+    for extra in (True, True, False, True, False, False):
+        model.extra = reference.extra = extra
+        assert _equal(_grads(model, _x(), session), _grads(reference, _x()))
+        assert session.last_report.diverged_at is None
+    assert session.phase == "replay"
+    model.extra = reference.extra = False
     pattern = r"op 1: expected aten.addmm.default -> \[\(6, 32\):float32\]"
     with pytest.raises(OffloadDivergenceError, match=pattern):
         _grads(model, _x(7), session)
-    assert session.phase == "replay" and session.held_bytes() == 0
-    assert _equal(_grads(model, _x(), session), _grads(reference, _x()))
+    assert session.held_bytes() == 0
 
 
 def test_fewer_ops_than_the_trace_is_a_divergence() -> None:
@@ -185,7 +195,10 @@ def test_fewer_ops_than_the_trace_is_a_divergence() -> None:
     _grads(model, x, retrace)
     with retrace:
         model(x).square().sum()
-    assert retrace.last_report.diverged_at is not None and retrace.phase == "warmup"
+    assert retrace.last_report.diverged_at is not None and retrace.phase == "replay"
+    with retrace:  # the forward-only step traced itself: it is a known plan now
+        model(x).square().sum()
+    assert retrace.last_report.diverged_at is None
 
 
 def test_skip_offload_contract() -> None:
@@ -282,9 +295,12 @@ def test_gradient_accumulation_without_zero_grad_stays_correct() -> None:
         with session:
             model(_x(seed=step)).square().sum().backward()
         reference(_x(seed=step)).square().sum().backward()
-        phases.append(session.last_report.phase)
+        phases.append((session.last_report.phase, session.last_report.diverged_at is not None))
         assert _equal([p.grad for p in model.parameters()], [p.grad for p in reference.parameters()])
-    assert phases == ["warmup", "replay", "warmup", "replay", "replay"]
+    # The second step diverges where it adds into the grads, finishes online and traces
+    # itself: from the third step on it replays its own plan.
+    assert phases == [("warmup", False), ("replay", True), ("replay", False), ("replay", False),
+                      ("replay", False)]
 
 
 def test_an_intermediate_kept_only_at_replay_is_whole_after_the_step() -> None:

@@ -7,13 +7,12 @@ the tensors the user keeps are ordinary tensors afterwards.
 A training loop may cycle through a few different steps (gradient accumulation: the first
 micro-step creates ``.grad``, the next ones add into it). The session keeps up to
 ``MAX_PLANS`` plans keyed by the step's structure and learns which plan follows which: a
-step that diverged from its predicted plan makes the session trace the step that takes
-that place next time, after which the cycle replays without divergence.
+step that diverges from its predicted plan finishes on the online path and traces itself,
+so its plan exists at once and the cycle replays without divergence from then on.
 """
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import time
 from collections import OrderedDict
@@ -27,9 +26,12 @@ from hyperpar.offload.api.config import OffloadConfig
 from hyperpar.offload.capture import (
     ExecutorBase,
     OffloadDispatchMode,
+    OffloadDivergenceError,
     ReplayExecutor,
     ReplayProgram,
     WarmupExecutor,
+    current_offload_mode,
+    host_reads,
 )
 from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
 from hyperpar.offload.ir.report import StepReport
@@ -44,9 +46,6 @@ from hyperpar.offload.runtime import (
 )
 
 logger = logging.getLogger(__name__)
-_ACTIVE: contextvars.ContextVar[OffloadSession | None] = contextvars.ContextVar(
-    "hyperpar_offload_session", default=None
-)
 
 
 def _outside_an_op() -> str:
@@ -67,13 +66,14 @@ class _Plan:
 
 
 def _signature(trace: ActivationTrace, keys: list[object]) -> int:
-    """Everything replay binds by (ops, outputs, storage accesses and sizes), not timings."""
+    """Everything replay binds by (ops, inputs, outputs, storage accesses and sizes), not timings."""
     return hash((
         tuple(keys),
-        tuple((g.output_leaf_count, tuple(sorted(g.output_bindings.items())), g.output_meta)
+        tuple((g.output_leaf_count, tuple(sorted(g.output_bindings.items())), g.output_meta, g.input_sids)
               for g in trace.guides),
         tuple(op.accesses for op in trace.ops),
         tuple(sorted(trace.storage_sizes.items())),
+        trace.pinned_sids,
     ))
 
 
@@ -84,37 +84,44 @@ class OffloadSession:
         if not isinstance(config, OffloadConfig):
             raise TypeError(f"OffloadSession(config=...) needs an OffloadConfig, got {config!r}")
         self.config = config
-        self.device = config.resolved_device()
-        if self.device.type != "cpu":
-            acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-            if acc is None or acc.type != self.device.type:
-                raise ValueError(f"OffloadConfig.device={config.device!r}: this machine has no such "
-                                 f"accelerator (available: {acc})")
         self.phase = "warmup"
         self.trace: ActivationTrace | None = None
         self.schedule: ResidencySchedule | None = None
         self.last_report: StepReport | None = None
         self._plans: OrderedDict[int, _Plan] = OrderedDict()  # signature -> plan, oldest first
         self._next: dict[int, int | None] = {}  # plan -> the plan that followed it (None: trace)
-        self._prev: int | None = None  # plan of the last clean, undiverged step
+        self._prev: int | None = None  # plan of the last clean step
         self._came_from: int | None = None  # self._prev when the running step entered
         self._running: _Plan | None = None  # the plan the running replay follows
-        self._pool = HostPool(config.offload_cap_bytes, pin_memory=self.device.type != "cpu")
-        engine: CopyEngine = (make_copy_engine(self.device, config.copy_engine)
-                              if isinstance(config.copy_engine, str) else config.copy_engine)
-        self._manager = ResidencyManager(self.device, self._pool, engine, verify=config.verify)
-        self._timer = OpTimer(self.device)
         self._record_timeline = config.timeline
         self._timeline: StepTimeline | None = None
         self.link_bandwidth: dict[str, object] | None = None
         self._executor: ExecutorBase | None = None
         self._mode: OffloadDispatchMode | None = None
-        self._token: contextvars.Token[OffloadSession | None] | None = None
         self._t0 = 0.0
+        self._bind_device(config.resolved_device())
+
+    def _bind_device(self, device: torch.device) -> None:
+        """The device the session tracks, its copy engine and host pool."""
+        if device.type != "cpu":
+            acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+            if acc is None or acc.type != device.type:
+                raise ValueError(f"OffloadConfig.device={self.config.device!r}: this machine has no such "
+                                 f"accelerator (available: {acc})")
+        config = self.config
+        self.device = device
+        self._pool = HostPool(config.offload_cap_bytes, pin_memory=device.type != "cpu")
+        engine: CopyEngine = (make_copy_engine(device, config.copy_engine)
+                              if isinstance(config.copy_engine, str) else config.copy_engine)
+        self._manager = ResidencyManager(device, self._pool, engine, verify=config.verify)
+        self._timer = OpTimer(device)
 
     @classmethod
     def get_active(cls) -> OffloadSession | None:
-        return _ACTIVE.get()
+        """The session whose step runs in this thread (also in autograd's backward threads,
+        which inherit the step's dispatch mode), or None."""
+        mode = current_offload_mode()
+        return None if mode is None else mode.session  # type: ignore[return-value]
 
     def held_bytes(self) -> int:
         """Host bytes held by the pool (in use or cached for reuse)."""
@@ -127,6 +134,24 @@ class OffloadSession:
     def host_allocations(self) -> int:
         """New host allocations the pool has made so far (flat once the sizes repeat)."""
         return self._pool.allocations
+
+    def keep_on_device(self, *tensors: torch.Tensor) -> None:
+        """Keep these activations of the running step on the device until the step ends.
+
+        Needed only to share an activation with another thread while the step runs (reads
+        from the step's own thread are handled); outside a step it does nothing.
+        """
+        executor = self._executor
+        if executor is None or executor.closed:
+            return
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"keep_on_device takes tensors, got {type(t).__name__}")
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            executor.read_behind_dispatcher(storage)
 
     def export_chrome_trace(self, path: str | Path) -> Path:
         """Write the last replay's timeline (ops, D2H, H2D tracks) as Chrome trace JSON."""
@@ -145,8 +170,12 @@ class OffloadSession:
     def __enter__(self) -> OffloadSession:
         if self._executor is not None:
             raise RuntimeError("this OffloadSession is already active: a session is not re-entrant")
-        if _ACTIVE.get() is not None:
+        if current_offload_mode() is not None:
             raise RuntimeError("another OffloadSession is active: sessions cannot be nested")
+        if self.config.device is None and not self._plans and self.last_report is None:
+            device = self.config.resolved_device()  # bound at the first step, not when built
+            if device != self.device:
+                self._bind_device(device)
         m = self._manager
         m.clear()
         m.bytes_d2h = m.bytes_h2d = m.demand_faults = m.cap_hits = 0
@@ -155,8 +184,9 @@ class OffloadSession:
         plan = self._choose()
         self._came_from, self._running = self._prev, plan
         if plan is not None:
+            others = tuple(p.program for p in reversed(self._plans.values()) if p is not plan)
             executor: ExecutorBase = ReplayExecutor(m, self.device, budget, plan.program,
-                                                    self.config.on_divergence)
+                                                    self.config.on_divergence, others)
             if self._record_timeline:
                 executor.timer = self._timer
         else:
@@ -164,8 +194,8 @@ class OffloadSession:
             executor.timer = self._timer
         m.describe_op = executor.describe_op
         self._executor = executor
-        self._mode = OffloadDispatchMode(executor)
-        self._token = _ACTIVE.set(self)
+        self._mode = OffloadDispatchMode(executor, self)
+        host_reads.step_started(executor)
         self._sync()
         m.engine.begin_step()
         if executor.timer is not None:
@@ -182,7 +212,7 @@ class OffloadSession:
         try:
             mode.__exit__(None, None, None)
         finally:
-            self._reset_active()
+            host_reads.step_ended(executor)
         pending: BaseException | None = None
         try:
             self._sync()
@@ -192,6 +222,8 @@ class OffloadSession:
             report.exposed_wait_ms = self._manager.engine.exposed_wait_ms()
             if clean:
                 self._after_clean_step(executor, report)
+            elif isinstance(exc, OffloadDivergenceError) and isinstance(executor, ReplayExecutor):
+                self._forget_successor()  # on_divergence="raise": trace this step's kind next time
         except BaseException as cleanup_error:
             if clean:
                 pending = cleanup_error
@@ -205,6 +237,8 @@ class OffloadSession:
             self._executor = None
             self._mode = None
         if pending is not None:
+            if isinstance(pending, OffloadDivergenceError):
+                self._forget_successor()
             raise pending
         return False
 
@@ -217,51 +251,51 @@ class OffloadSession:
             return self._plans[self._prev]
         return None if nxt is None else self._plans.get(nxt)  # type: ignore[arg-type]
 
+    def _forget_successor(self) -> None:
+        """The step after ``_came_from`` is not what was predicted: trace it next time."""
+        if self._came_from is not None:
+            self._next[self._came_from] = None
+        self.phase = "warmup" if self._choose() is None else "replay"
+
     def _after_clean_step(self, executor: ExecutorBase, report: StepReport) -> None:
-        if isinstance(executor, WarmupExecutor):
+        trace: ActivationTrace | None = None
+        keys: list[object] = []
+        if isinstance(executor, (WarmupExecutor, ReplayExecutor)):
             link = probe_link(self.device, self._manager.engine)
-            self.link_bandwidth = link.as_dict()
+            if self.link_bandwidth is None:
+                self.link_bandwidth = link.as_dict()
             trace = executor.build_trace(link.d2h_gbps, link.h2d_gbps)
-            signature = _signature(trace, executor.keys)
-            plan = self._plans.get(signature)
-            if plan is None:
-                plan = self._new_plan(signature, trace, executor.keys)
-            self._plans.move_to_end(signature)
-            self._learn(signature)
-            report.predicted_step_ms = None
-        elif isinstance(executor, ReplayExecutor):
-            plan = self._running
-            assert plan is not None
-            report.predicted_step_ms = plan.predicted_ms
+            keys = executor.keys
+        if isinstance(executor, ReplayExecutor):
+            assert self._running is not None
+            report.predicted_step_ms = self._running.predicted_ms
             if executor.timer is not None:
                 self._timeline = executor.timeline(self._manager.engine.spans())
-            if report.diverged_at is None:
-                self._plans.move_to_end(plan.signature)
-                self._learn(plan.signature)
-            elif self.config.on_divergence == "retrace":
-                # Trace the step that comes in this place next time; the one after this
-                # diverged step is traced too, since nothing is known about where we are.
-                if self._came_from is not None:
-                    self._next[self._came_from] = None
-                self._prev = None
-        else:
-            plan = None
-        if plan is not None:
-            self.trace, self.schedule = plan.trace, plan.schedule
-        if not (isinstance(executor, ReplayExecutor) and report.diverged_at is not None
-                and self.config.on_divergence == "raise"):
-            self.phase = "warmup" if self._choose() is None else "replay"
+        if trace is not None:  # a warmup, or a replay that diverged and traced itself
+            signature = _signature(trace, keys)
+            plan = self._plans.get(signature)
+            if plan is None:
+                plan = self._new_plan(signature, trace, keys)
+        else:  # the plan it ended on (it may have switched to another known one)
+            assert isinstance(executor, ReplayExecutor)
+            plan = next(p for p in self._plans.values() if p.program is executor.program)
+            report.predicted_step_ms = plan.predicted_ms
+        self._plans.move_to_end(plan.signature)
+        self._learn(plan.signature)
+        self.trace, self.schedule = plan.trace, plan.schedule
+        self.phase = "warmup" if self._choose() is None else "replay"
         self.last_report = report
 
     def _new_plan(self, signature: int, trace: ActivationTrace, keys: list[object]) -> _Plan:
+        from hyperpar.offload.planning import simulate  # planning sits beside capture
+
         schedule = self.config.resolved_planner().build(trace)
+        sim = simulate(trace, schedule)
         predicted = schedule.notes.get("predicted_step_ms")
         if not isinstance(predicted, (int, float)) or isinstance(predicted, bool):
-            from hyperpar.offload.planning import simulate  # planning sits beside capture
-
-            predicted = simulate(trace, schedule).predicted_step_ms
-        plan = _Plan(signature, trace, schedule, ReplayProgram.build(trace, schedule, keys),
-                     float(predicted))
+            predicted = sim.predicted_step_ms
+        plan = _Plan(signature, trace, schedule,
+                     ReplayProgram.build(trace, schedule, keys, sim.resident_bytes), float(predicted))
         self._plans[signature] = plan
         while len(self._plans) > MAX_PLANS:
             old, _ = self._plans.popitem(last=False)
@@ -274,14 +308,6 @@ class OffloadSession:
         if self._came_from is not None and self._came_from in self._plans:
             self._next[self._came_from] = signature
         self._prev = signature
-
-    def _reset_active(self) -> None:
-        token, self._token = self._token, None
-        try:
-            if token is not None:
-                _ACTIVE.reset(token)
-        except ValueError:  # exited in another context than the one it entered
-            _ACTIVE.set(None)
 
     def _sync(self) -> None:
         if self.device.type != "cpu" and torch.accelerator.is_available():

@@ -6,8 +6,7 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from hyperpar.offload.api.session import OffloadSession
-from hyperpar.offload.capture import run_opaque
+from hyperpar.offload.capture import current_offload_mode, run_opaque
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -19,9 +18,9 @@ def skip_offload(fn: F) -> F:
     name = "skip_offload(" + str(getattr(fn, "__qualname__", type(fn).__qualname__)) + ")"
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        session = OffloadSession.get_active()
-        executor = session._executor if session is not None else None
-        if executor is None or executor.opaque_depth or executor.passthrough:
+        mode = current_offload_mode()
+        executor = mode.executor if mode is not None else None
+        if executor is None or executor.closed or executor.opaque_depth or executor.passthrough:
             return fn(*args, **kwargs)
         return run_opaque(executor, name, fn, args, kwargs)
 

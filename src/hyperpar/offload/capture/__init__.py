@@ -1,8 +1,10 @@
 """Capture: the dispatch mode and the executors that trace (warmup) and replay a step."""
 
-from hyperpar.offload.capture.dispatch_mode import OffloadDispatchMode
+from hyperpar.offload.capture import host_reads
+from hyperpar.offload.capture.dispatch_mode import OffloadDispatchMode, current_offload_mode
 from hyperpar.offload.capture.errors import OffloadDivergenceError
 from hyperpar.offload.capture.executor_base import ExecutorBase
+from hyperpar.offload.capture.host_reads import ActivationReadError
 from hyperpar.offload.capture.op_args import tensor_inputs, written_tensors
 from hyperpar.offload.capture.opaque import run_opaque
 from hyperpar.offload.capture.replay import ReplayExecutor
@@ -10,12 +12,15 @@ from hyperpar.offload.capture.replay_program import ReplayProgram
 from hyperpar.offload.capture.warmup import WarmupExecutor
 
 __all__ = [
+    "ActivationReadError",
     "ExecutorBase",
     "OffloadDispatchMode",
     "OffloadDivergenceError",
     "ReplayExecutor",
     "ReplayProgram",
     "WarmupExecutor",
+    "current_offload_mode",
+    "host_reads",
     "run_opaque",
     "tensor_inputs",
     "written_tensors",

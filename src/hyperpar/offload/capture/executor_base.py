@@ -1,25 +1,79 @@
-"""What warmup and replay share: the op entry point, opaque regions, demand paging."""
+"""What warmup and replay share: the op entry point, online residency, opaque regions.
+
+The *online* path is warmup's algorithm: before an op its input activations are paged in
+if evicted and protected; while the resident activation bytes exceed the budget, the
+storage made by the oldest op (largest first among one op's outputs) that is resident,
+unprotected and not pinned goes to host; the op runs; new output storages are bound; with
+``recording`` the op is appended to the trace. Warmup runs every op this way, and so does a
+replay from the op where it diverged, which keeps every step within its budget and turns a
+diverged step into a trace of its own.
+
+Pinned storages never leave the device for the rest of the step: buffers of c10d and
+functional collectives (their bytes are read and written after the op returns), strided
+storages an op shares with a sparse or otherwise storage-less tensor (kernels reach them
+without going through the dispatcher), and storages Python reads behind the dispatcher
+(``.numpy()``, ``.tolist()``, ``torch.save``; see ``host_reads``).
+"""
 
 from __future__ import annotations
 
+import heapq
+import time
+import weakref
 from typing import Any
 
 import torch
 
-from hyperpar.offload.capture.op_args import storage_of, tensor_inputs
+from hyperpar.offload.capture.activation_table import ActivationTable
+from hyperpar.offload.capture.op_args import output_leaves, tensor_inputs, written_tensors
+from hyperpar.offload.ir import AccessKind, OpGuide, StorageAccess, TraceOp
+from hyperpar.offload.ir.guide import NO_STORAGE, NOT_ACTIVATION
 from hyperpar.offload.ir.report import StepReport
 from hyperpar.offload.runtime import OpTimer, ResidencyManager, StepTimeline
 from hyperpar.offload.runtime.copy_engine import CopySpan
 
-# func -> whether it is a c10d collective (cached: this is on every op's path).
-_COLLECTIVE: dict[Any, bool] = {}
+READ, WRITE = AccessKind.READ, AccessKind.WRITE
+Tensor = torch.Tensor
+_STRIDED = torch.strided
+
+# func -> how the op treats its buffers (cached: this is on every op's path of warmup).
+PLAIN, COLLECTIVE = 0, 1
+_KIND: dict[Any, int] = {}
+_COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd"})
+_NAMES: dict[Any, str] = {}
 
 
-def is_collective(func: Any) -> bool:
-    found = _COLLECTIVE.get(func)
-    if found is None:
-        found = _COLLECTIVE[func] = getattr(func, "namespace", None) == "c10d"
-    return found
+def op_kind(func: Any) -> int:
+    kind = _KIND.get(func)
+    if kind is None:
+        namespace = getattr(func, "namespace", None)
+        kind = _KIND[func] = COLLECTIVE if namespace in _COLLECTIVE_NAMESPACES else PLAIN
+    return kind
+
+
+def op_name(func: Any) -> str:
+    name = _NAMES.get(func)
+    if name is None:
+        name = _NAMES[func] = str(func)
+    return name
+
+
+def fully_visible(leaf: Tensor) -> bool:
+    """Whether every reader of this tensor's storage goes through the dispatcher."""
+    return leaf.layout is _STRIDED and not leaf.is_quantized and not leaf.is_nested
+
+
+class OpState:
+    """One op of the online path between its start and its end."""
+
+    __slots__ = ("in_ids", "in_sids", "index", "key", "kinds", "name", "pin", "start_event", "t0")
+
+    def __init__(self, index: int, key: Any, name: str, kinds: dict[int, AccessKind],
+                 in_ids: set[int], in_sids: tuple[int, ...], pin: bool) -> None:
+        self.index, self.key, self.name, self.kinds = index, key, name, kinds
+        self.in_ids, self.in_sids, self.pin = in_ids, in_sids, pin
+        self.t0 = 0.0
+        self.start_event: torch.Event | None = None
 
 
 class ExecutorBase:
@@ -29,56 +83,365 @@ class ExecutorBase:
         self.manager = manager
         self.device = device
         self.budget_bytes = budget_bytes
+        self.table = ActivationTable()
         self.opaque_depth = 0  # > 0 inside skip_offload: ops run untraced
         self.passthrough = 0  # > 0 while our own copies run: ops run untouched
         self.closed = False
         self.timer: OpTimer | None = None  # op boundaries (warmup: durations; replay: timeline)
         self.op_marks: list[tuple[str, int, int]] = []  # (name, begin mark, end mark)
+        self.index = 0  # ops of this step so far (opaque regions count as one)
+        self.peak_bytes = 0
+        self.peak_op: int | None = None
+        # The online path: a trace of the step when ``recording``.
+        self.recording = False
+        self.ops: list[TraceOp] = []
+        self.guides: list[OpGuide] = []
+        self.keys: list[Any] = []  # OpOverload, or the opaque region's name
+        self.regions: list[OpState] = []  # open opaque regions of the online path, innermost last
+        self.region_graphs: list[Any] = []  # autograd nodes of this step's regions (see opaque)
+        # Storages this step moved: their copies may hold them past their death in Python.
+        self.moved_sids: set[int] = set()
+        self._plain: dict[int, weakref.ref] = {}  # storages first seen as inputs: not activations
+        self._heap: list[tuple[int, int, int]] = []  # (producer op, -bytes, sid): eviction order
+        self._gaps_ms: list[float] = []  # host time between the previous op's return and this op
+        self._last_exit = time.perf_counter()
+        # On an accelerator without a timer an op is timed by events (the device's own time).
+        self._events = device.type != "cpu" and torch.accelerator.is_available()
+        self._current = "-"
 
+    # --- entry point ----------------------------------------------------------------
     def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.passthrough:
             return func(*args, **kwargs)
-        if is_collective(func):
-            # An async collective (async_op=True) reads and writes its buffers after the op
-            # returns, until work.wait(): they must never be evicted in this step.
-            self.manager.pin(self.device_storages(tensor_inputs(args, kwargs)))
         if self.opaque_depth:
             self.untraced_op(func, args, kwargs)
             return func(*args, **kwargs)
         return self.run_op(func, args, kwargs)
 
-    def untraced_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """An op inside a skip_offload region: not traced, but a 0-byte (evicted) storage
-        must still never reach a kernel."""
-        m = self.manager
-        if m.evicted or m.inflight:
-            m.page_in_inputs(tensor_inputs(args, kwargs))
-
-    def device_storages(self, tensors: list[torch.Tensor]) -> list[torch.UntypedStorage]:
-        dev = self.device
-        out = []
-        for t in tensors:
-            if t.device == dev:
-                st = storage_of(t)
-                if st is not None:
-                    out.append(st)
-        return out
-
-    def page_in_storages(self, storages: list[torch.UntypedStorage]) -> None:
-        m = self.manager
-        for st in storages:
-            entry = m.evicted.get(st._cdata)
-            if entry is not None and entry.ref() is st:
-                m.copy_h2d(entry, demand=True)
-                continue
-            entry = m.inflight.get(st._cdata)
-            if entry is not None and entry.ref() is st:
-                m.wait_h2d(entry)
+    def release_region_graphs(self) -> None:
+        """Drop our references to region nodes (they would keep a forward-only graph alive)."""
+        for graph in self.region_graphs:
+            graph.nodes = ()
+        self.region_graphs = []
 
     def describe_op(self) -> str:
         """Names the op now running, for error messages."""
-        return "outside an op"
+        return f"at op {max(self.index - 1, 0)} ({self._current})"
 
+    def resident_bytes(self) -> int:
+        """Activation bytes of this step on the device now (measured the same in every phase)."""
+        return self.table.live_bytes - self.manager.away_bytes
+
+    def note_peak(self, op: int) -> None:
+        resident = self.table.live_bytes - self.manager.away_bytes
+        if resident > self.peak_bytes:
+            self.peak_bytes, self.peak_op = resident, op
+
+    # --- the online path ------------------------------------------------------------
+    def online_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self._gaps_ms.append((time.perf_counter() - self._last_exit) * 1e3)
+        state = self.online_begin(func, op_name(func), tensor_inputs(args, kwargs),
+                                  written_tensors(func, args, kwargs), op_kind(func) == COLLECTIVE)
+        out = func(*args, **kwargs)
+        self.online_end(state, output_leaves(out))
+        self._last_exit = time.perf_counter()
+        return out
+
+    def classify_inputs(self, inputs: list[Tensor], written: list[Tensor], pin: bool,
+                        ) -> tuple[dict[int, AccessKind], set[int], tuple[int, ...], bool]:
+        """(sid -> access kind, ids of the input storages, sid per input, whether to pin)."""
+        table = self.table
+        kinds: dict[int, AccessKind] = {}
+        in_ids: set[int] = set()
+        in_sids: list[int] = []
+        plain = self._plain
+        for t in inputs:
+            try:
+                st = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # sparse and other storage-less layouts
+                in_sids.append(NO_STORAGE)
+                pin = True
+                continue
+            in_ids.add(id(st))
+            sid = table.lookup(st)
+            if sid is None:
+                in_sids.append(NOT_ACTIVATION)
+                plain[id(st)] = weakref.ref(st)
+            else:
+                in_sids.append(sid)
+                kinds.setdefault(sid, READ)
+        for t in written:
+            try:
+                sid = table.lookup(t.untyped_storage())
+            except (RuntimeError, NotImplementedError):
+                continue
+            if sid is not None:
+                kinds[sid] = WRITE
+        return kinds, in_ids, tuple(in_sids), pin
+
+    def online_begin(self, key: Any, name: str, inputs: list[Tensor], written: list[Tensor],
+                     pin: bool) -> OpState:
+        m = self.manager
+        if m.pending_free:
+            m.reap()
+        kinds, in_ids, in_sids, pin = self.classify_inputs(inputs, written, pin)
+        self._bring_in(kinds)
+        if pin:
+            self.pin_sids(kinds)
+        self.enforce_budget(kinds)
+        state = OpState(self.index, key, name, kinds, in_ids, in_sids, pin)
+        self.table.now = self.index
+        self.index += 1
+        self._current = name
+        if self.timer is not None:  # events on an accelerator, read once at the end of the step
+            state.t0 = self.timer.mark()
+        elif self._events:
+            state.start_event = torch.Event(device=self.device, enable_timing=True)
+            state.start_event.record()
+        else:
+            state.t0 = time.perf_counter()
+        return state
+
+    def _bring_in(self, kinds: dict[int, AccessKind]) -> None:
+        """Inputs back on the device (demand faults), and no copy out still reading a storage
+        the op writes."""
+        m = self.manager
+        entries, inflight = m.entries, m.inflight
+        for sid, kind in kinds.items():
+            entry = entries.get(sid)
+            if entry is None:
+                continue
+            if not entry.resident or inflight.get(entry.key) is entry:
+                m.copy_h2d(entry, demand=True)
+                if sid not in self.table.pinned:
+                    heapq.heappush(self._heap, (self.table.producer[sid], -entry.nbytes, sid))
+            if kind is WRITE and entry.d2h_event is not None:
+                m.wait_d2h(entry)
+
+    def online_end(self, state: OpState, leaves: list[Any]) -> None:
+        duration_ms = self._op_duration(state)
+        m, table, i, kinds = self.manager, self.table, state.index, state.kinds
+        dev = self.device
+        meta: list[Any] = []
+        new: list[tuple[int, torch.UntypedStorage, int, Tensor]] = []  # (bytes, storage, leaf, tensor)
+        bound: dict[int, int] = {}
+        pin = state.pin
+        for li, leaf in enumerate(leaves):
+            if not isinstance(leaf, Tensor):
+                meta.append(None)
+                continue
+            meta.append((tuple(leaf.shape), str(leaf.dtype)))
+            try:
+                st = leaf.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                pin = True
+                continue
+            if id(st) in state.in_ids:
+                continue
+            sid = table.lookup(st)
+            if sid is not None:
+                kinds[sid] = WRITE
+                if table.producer[sid] == i and li not in bound:  # bound by a replay of this op
+                    bound[li] = sid
+                continue
+            plain = self._plain.get(id(st))
+            if (plain is not None and plain() is st) or leaf.device != dev:
+                continue
+            nbytes = st.nbytes()
+            if nbytes and not any(s is st for _, s, _, _ in new):
+                new.append((nbytes, st, li, leaf))
+        bindings = bound
+        new.sort(key=lambda x: -x[0])
+        for nbytes, st, li, leaf in new:
+            sid = table.new_sid()
+            table.bind(sid, st, i)
+            bindings[li] = sid
+            kinds[sid] = WRITE
+            if fully_visible(leaf):
+                heapq.heappush(self._heap, (i, -nbytes, sid))
+            else:
+                table.pinned.add(sid)
+        if pin:
+            self.pin_sids(kinds)
+        entries = m.entries
+        for sid, kind in kinds.items():
+            if kind is WRITE:
+                entry = entries.get(sid)
+                if entry is not None:
+                    m.mark_written(entry)
+                self._refresh_size(sid)
+        self.note_peak(i)
+        if self.recording:
+            self.ops.append(TraceOp(state.name, duration_ms, tuple(
+                StorageAccess(i, sid, kind) for sid, kind in kinds.items())))
+            self.guides.append(OpGuide(state.name, len(leaves), bindings, tuple(meta), state.in_sids))
+            self.keys.append(state.key)
+
+    def _op_duration(self, state: OpState) -> float:
+        if self.timer is not None:
+            self.op_marks.append((state.name, int(state.t0), self.timer.mark()))
+            return 0.0  # filled in from the timer's marks by build_trace
+        if state.start_event is not None:
+            end = torch.Event(device=self.device, enable_timing=True)
+            end.record()
+            end.synchronize()
+            return state.start_event.elapsed_time(end)
+        return (time.perf_counter() - state.t0) * 1e3
+
+    def _refresh_size(self, sid: int) -> None:
+        """An op with ``out=`` may have resized an existing storage."""
+        table = self.table
+        st = table.storage(sid)
+        if st is None:
+            return
+        entry = self.manager.entries.get(sid)
+        if entry is not None and not entry.resident:
+            return
+        nbytes = st.nbytes()
+        if nbytes != table.nbytes[sid]:
+            table.resize(sid, nbytes)
+            if entry is not None:
+                self.manager.resident_bytes += nbytes - entry.nbytes
+                entry.nbytes = nbytes
+
+    def enforce_budget(self, protected: dict[int, AccessKind] | set[int]) -> None:
+        """Evict the oldest resident activations until the budget holds (or nothing is left)."""
+        m, table, heap = self.manager, self.table, self._heap
+        if table.live_bytes - m.away_bytes <= self.budget_bytes:
+            return
+        skipped = []
+        entries, pinned = m.entries, table.pinned
+        while table.live_bytes - m.away_bytes > self.budget_bytes and heap:
+            item = heapq.heappop(heap)
+            sid = item[2]
+            if sid in pinned:
+                continue
+            entry = entries.get(sid)
+            if entry is not None and (not entry.resident or not entry.evictable):
+                continue
+            st = table.storage(sid)
+            if st is None:
+                continue
+            if sid in protected:
+                skipped.append(item)
+                continue
+            if st.nbytes() != table.nbytes[sid]:  # resized behind our back: someone else's memory
+                table.pinned.add(sid)
+                continue
+            if entry is None:
+                entry = m.bind(sid, st, producer_op=table.producer[sid])
+                self.moved_sids.add(sid)
+            if not (m.copy_d2h(entry) and m.release_device(entry)):
+                entry.evictable = False  # host pool at its cap, or a non-resizable storage
+        for item in skipped:
+            heapq.heappush(heap, item)
+
+    def pin_sids(self, sids: Any) -> None:
+        """These storages stay on the device for the rest of the step (paged in first)."""
+        m, pinned = self.manager, self.table.pinned
+        for sid in sids:
+            pinned.add(sid)
+            entry = m.entries.get(sid)
+            if entry is not None:
+                if not entry.resident or entry.free_pending or entry.h2d_event is not None:
+                    m.copy_h2d(entry, demand=True)
+                entry.evictable = False
+
+    def start_online(self) -> None:
+        """From now on every op takes the online path (a diverged replay calls this)."""
+        m, table = self.manager, self.table
+        heap = []
+        for sid in table.alive():
+            if sid in table.pinned:
+                continue
+            entry = m.entries.get(sid)
+            if entry is None or entry.resident:
+                heap.append((table.producer[sid], -table.nbytes[sid], sid))
+        heapq.heapify(heap)
+        self._heap = heap
+
+    # --- opaque regions -------------------------------------------------------------
+    def untraced_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """An op inside a skip_offload region: not traced, but its activations are accesses of
+        the region's op (so the plan keeps them), a 0-byte (evicted) storage never reaches a
+        kernel, and a write makes any host copy stale."""
+        region = self.regions[-1] if self.regions else None
+        kinds, _, _, pin = self.classify_inputs(
+            tensor_inputs(args, kwargs), written_tensors(func, args, kwargs),
+            op_kind(func) == COLLECTIVE)
+        self._bring_in(kinds)
+        if pin:
+            self.pin_sids(kinds)
+            if region is not None:
+                region.pin = True
+        m = self.manager
+        for sid, kind in kinds.items():
+            if kind is WRITE:
+                entry = m.entries.get(sid)
+                if entry is not None:
+                    m.mark_written(entry)
+        if region is not None:
+            rk = region.kinds
+            for sid, kind in kinds.items():
+                if kind is WRITE:
+                    rk[sid] = WRITE
+                else:
+                    rk.setdefault(sid, READ)
+        self.after_untraced(kinds)
+
+    def after_untraced(self, kinds: dict[int, AccessKind]) -> None:
+        """Hook: replay checks the region's accesses against the plan."""
+
+    def begin_opaque(self, name: str, reads: list[torch.UntypedStorage]) -> Any:
+        """Start a skip_offload region as one op reading ``reads``; returns a token."""
+        raise NotImplementedError
+
+    def end_opaque(self, token: Any, outputs: list[Tensor]) -> None:
+        raise NotImplementedError
+
+    def online_begin_opaque(self, name: str, reads: list[torch.UntypedStorage]) -> OpState:
+        self._gaps_ms.append((time.perf_counter() - self._last_exit) * 1e3)
+        m = self.manager
+        if m.pending_free:
+            m.reap()
+        kinds: dict[int, AccessKind] = {}
+        in_ids: set[int] = set()
+        for st in reads:
+            in_ids.add(id(st))
+            sid = self.table.lookup(st)
+            if sid is not None:
+                kinds.setdefault(sid, READ)
+        self._bring_in(kinds)
+        self.enforce_budget(kinds)
+        state = OpState(self.index, name, name, kinds, in_ids, (), False)
+        self.table.now = self.index
+        self.index += 1
+        self._current = name
+        if self.timer is not None:
+            state.t0 = self.timer.mark()
+        elif self._events:
+            state.start_event = torch.Event(device=self.device, enable_timing=True)
+            state.start_event.record()
+        else:
+            state.t0 = time.perf_counter()
+        self.regions.append(state)
+        return state
+
+    def online_end_opaque(self, state: OpState, outputs: list[Tensor]) -> None:
+        if state in self.regions:
+            self.regions.remove(state)
+        self.online_end(state, list(outputs))
+        self._last_exit = time.perf_counter()
+
+    # --- reads behind the dispatcher -------------------------------------------------
+    def read_behind_dispatcher(self, storage: torch.UntypedStorage) -> None:
+        """Python is about to read this storage's bytes without an op: bring it back and keep it."""
+        sid = self.table.lookup(storage)
+        if sid is not None:
+            with _Raised(self, "passthrough"):
+                self.pin_sids((sid,))
+
+    # --- end of step ----------------------------------------------------------------
     def timeline(self, copies: list[CopySpan]) -> StepTimeline:
         """The step's ops (from the timer's marks) with the engine's copies."""
         timer = self.timer
@@ -87,17 +450,34 @@ class ExecutorBase:
         clock = "device" if timer is not None and timer.use_events else "host"
         return StepTimeline(ops=ops, copies=list(copies), clock=clock)
 
-    # --- per phase ------------------------------------------------------------------
     def run_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        raise NotImplementedError
-
-    def begin_opaque(self, name: str, reads: list[torch.UntypedStorage]) -> Any:
-        """Start a skip_offload region as one op reading ``reads``; returns a token."""
-        raise NotImplementedError
-
-    def end_opaque(self, token: Any, outputs: list[torch.Tensor]) -> None:
         raise NotImplementedError
 
     def finish(self, clean: bool, step_ms: float) -> tuple[StepReport, Exception | None]:
         """Page every live storage back in; returns the report and an error to raise, if any."""
         raise NotImplementedError
+
+
+class _Raised:
+    """Raise one of the executor's depth counters for a block: ``passthrough`` (ops run
+    untouched while the executor does its own bookkeeping) or ``opaque_depth`` (ops run
+    untraced inside a region)."""
+
+    __slots__ = ("counter", "ex")
+
+    def __init__(self, ex: ExecutorBase, counter: str) -> None:
+        self.ex, self.counter = ex, counter
+
+    def __enter__(self) -> None:
+        setattr(self.ex, self.counter, getattr(self.ex, self.counter) + 1)
+
+    def __exit__(self, *exc: object) -> None:
+        setattr(self.ex, self.counter, getattr(self.ex, self.counter) - 1)
+
+
+def internal(ex: ExecutorBase) -> _Raised:
+    return _Raised(ex, "passthrough")
+
+
+def untraced(ex: ExecutorBase) -> _Raised:
+    return _Raised(ex, "opaque_depth")

@@ -1,126 +1,148 @@
-"""skip_offload regions: one opaque op in forward and one in backward.
+"""skip_offload regions: one opaque op in forward, one in backward.
 
-The region runs under an autograd.Function that keeps the region's own graph and runs
-it reentrantly in backward, so the backward of the region is also contiguous and can be
-recorded as a single op. Inside, ops are not traced (but evicted inputs are still paged
-in), so data-dependent control flow inside the region replays fine.
+The region's function runs as it would without a session, its autograd nodes part of the
+one graph (non-reentrant, like ``torch.utils.checkpoint(use_reentrant=False)``): nothing
+calls ``autograd.backward`` inside a backward, so ``torch.autograd.grad`` through a region
+returns what plain PyTorch returns, touches no ``.grad``, and gradients of an input also
+used outside the region add up in the same order as without the region.
+
+Inside, ops are not traced (evicted inputs are still paged in, and what they touch counts
+as an access of the region's op), so data-dependent control flow or code the dispatcher
+cannot see replays fine. In backward the region's op spans from the start of the first of
+its autograd nodes (found by their sequence numbers) to the end of the last one that the
+running backward executes (``torch._C._will_engine_execute_node``); whatever else the
+engine runs in between (a parameter's gradient accumulation) is part of it. The op reads
+the region's inputs and outputs, like a node that saved them, whatever the data made the
+region save, so its accesses do not depend on the data either.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_leaves
 
-from hyperpar.offload.capture.executor_base import ExecutorBase
+from hyperpar.offload.capture.executor_base import ExecutorBase, internal, untraced
 
 Tensor = torch.Tensor
-# Makes the region's output require grad when only parameters inside it do (never gets a grad).
-_GRAD_ANCHOR = torch.empty(0, requires_grad=True)
+_sequence_nr = torch._C._autograd._get_sequence_nr
+_will_execute = torch._C._will_engine_execute_node
+_graph_task = torch._C._current_graph_task_id
 
 
-class _Raised:
-    """Raise one of the executor's depth counters for a block: ``passthrough`` (ops run
-    untouched while the executor does its own bookkeeping) or ``opaque_depth`` (ops run
-    untraced inside the region)."""
-
-    def __init__(self, ex: ExecutorBase, counter: str) -> None:
-        self.ex, self.counter = ex, counter
-
-    def __enter__(self) -> None:
-        setattr(self.ex, self.counter, getattr(self.ex, self.counter) + 1)
-
-    def __exit__(self, *exc: object) -> None:
-        setattr(self.ex, self.counter, getattr(self.ex, self.counter) - 1)
-
-
-def _internal(ex: ExecutorBase) -> _Raised:
-    return _Raised(ex, "passthrough")
-
-
-def _untraced(ex: ExecutorBase) -> _Raised:
-    return _Raised(ex, "opaque_depth")
-
-
-def _storage_refs(ex: ExecutorBase, tensors: list[Tensor]) -> list[weakref.ref]:
-    return [weakref.ref(st) for st in ex.device_storages(tensors)]
-
-
-class _OpaqueRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, ex: ExecutorBase, name: str, fn: Any, flat: list[Any], spec: Any,
-                positions: list[int], box: dict[str, Any], _anchor: Tensor, *tensors: Tensor) -> Any:
-        with _internal(ex):
-            token = ex.begin_opaque(name, ex.device_storages(list(tensors)))
-        with _untraced(ex), torch.enable_grad():
-            detached = []
-            for t in tensors:
-                d = t.detach()
-                if t.requires_grad:
-                    d.requires_grad_(True)
-                detached.append(d)
-            values = list(flat)
-            for pos, d in zip(positions, detached, strict=True):
-                values[pos] = d
-            args, kwargs = tree_unflatten(values, spec)
-            out = fn(*args, **kwargs)
-            out_flat, out_spec = tree_flatten(out)
-            out_pos = [i for i, o in enumerate(out_flat) if isinstance(o, Tensor)]
-            inner = [out_flat[i] for i in out_pos]
-            results = tuple(o.detach() for o in inner)
-        with _internal(ex):
-            ex.end_opaque(token, list(inner))
-        box.update(flat=out_flat, spec=out_spec, positions=out_pos)
-        ctx.ex, ctx.name = ex, name
-        ctx.inner = inner
-        ctx.leaves = [d if d.requires_grad else None for d in detached]
-        # Backward reads the region's inputs and outputs (its inner graph saved them).
-        ctx.reads = _storage_refs(ex, list(tensors) + inner)
-        ctx.mark_non_differentiable(*(r for r, o in zip(results, inner, strict=True) if not o.requires_grad))
-        return results
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> Any:
-        ex: ExecutorBase = ctx.ex
-        live = ex.opaque_depth == 0 and not ex.closed
-        token = None
-        if live:
-            reads = [st for st in (r() for r in ctx.reads) if st is not None]
-            with _internal(ex):
-                token = ex.begin_opaque(ctx.name + ".backward",
-                                        reads + ex.device_storages([g for g in grads if g is not None]))
-        with _untraced(ex), torch.enable_grad():
-            pairs = [(o, g) for o, g in zip(ctx.inner, grads, strict=True)
-                     if o.requires_grad and g is not None]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-            input_grads = [None if d is None else d.grad for d in ctx.leaves]
-        if live:
-            with _internal(ex):
-                ex.end_opaque(token, [g for g in input_grads if g is not None])
-        ctx.inner = ctx.leaves = ctx.reads = None
-        return (None,) * 8 + tuple(input_grads)
+def device_storages(ex: ExecutorBase, tensors: list[Any]) -> list[torch.UntypedStorage]:
+    out = []
+    for t in tensors:
+        if isinstance(t, Tensor) and t.device == ex.device:
+            try:
+                out.append(t.untyped_storage())
+            except (RuntimeError, NotImplementedError):  # storage-less layouts
+                continue
+    return out
 
 
 def run_opaque(ex: ExecutorBase, name: str, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Run ``fn`` as one op of ``ex`` (forward and, when grad is enabled, backward)."""
-    flat, spec = tree_flatten((args, kwargs))
-    positions = [i for i, a in enumerate(flat) if isinstance(a, Tensor)]
-    tensors = [flat[i] for i in positions]
-    if not torch.is_grad_enabled():
-        with _internal(ex):
-            token = ex.begin_opaque(name, ex.device_storages(tensors))
-        with _untraced(ex):
-            out = fn(*args, **kwargs)
-        with _internal(ex):
-            ex.end_opaque(token, [o for o in tree_flatten(out)[0] if isinstance(o, Tensor)])
-        return out
-    box: dict[str, Any] = {}
-    results = _OpaqueRegion.apply(ex, name, fn, flat, spec, positions, box, _GRAD_ANCHOR, *tensors)
-    values = list(box["flat"])
-    for pos, r in zip(box["positions"], results, strict=True):
-        values[pos] = r
-    return tree_unflatten(values, box["spec"])
+    """Run ``fn`` as one op of ``ex`` in forward, and its autograd nodes as one op in backward."""
+    inputs = device_storages(ex, tree_leaves((args, kwargs)))
+    with internal(ex):
+        token = ex.begin_opaque(name, inputs)
+    grad = torch.is_grad_enabled()
+    first = _sequence_nr() if grad else 0
+    with untraced(ex):
+        out = fn(*args, **kwargs)
+    outputs = [o for o in tree_leaves(out) if isinstance(o, Tensor)]
+    with internal(ex):
+        ex.end_opaque(token, outputs)
+        if grad:
+            _hook_region_nodes(ex, name + ".backward", outputs, inputs + device_storages(ex, outputs),
+                               first, _sequence_nr())
+    return out
 
+
+class _RegionGraph:
+    """A region's autograd nodes, and the opaque op they form while backward runs them."""
+
+    __slots__ = ("done", "executor", "expected", "grads", "name", "nodes", "reads", "task", "token")
+
+    def __init__(self, ex: ExecutorBase, name: str, nodes: list[Any],
+                 reads: list[torch.UntypedStorage]) -> None:
+        self.executor = weakref.ref(ex)
+        self.name = name
+        self.nodes = nodes  # strong: nodes take no weak references; dropped when the step ends
+        self.reads = [weakref.ref(st) for st in reads]
+        self.task = -1  # the backward (graph task) the counts below belong to
+        self.expected = 0  # nodes of the region that this backward executes
+        self.done = 0
+        self.token: Any = None
+        self.grads: list[weakref.ref] = []
+
+
+def _hook_region_nodes(ex: ExecutorBase, name: str, outputs: list[Tensor],
+                       reads: list[torch.UntypedStorage], first: int, end: int) -> None:
+    if first == end:
+        return
+    def inside(node: Any) -> bool:  # made by the region (a leaf's node has the largest number)
+        return node is not None and first <= node._sequence_nr() < end
+
+    nodes, seen = [], set()
+    stack = [o.grad_fn for o in outputs if inside(o.grad_fn)]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        nodes.append(node)
+        stack.extend(nxt for nxt, _ in node.next_functions if inside(nxt))
+    if not nodes:
+        return
+    graph = _RegionGraph(ex, name, nodes, reads)
+    ex.region_graphs.append(graph)
+    before = functools.partial(_before_node, graph)
+    for node in nodes:
+        # The gradients this node sends out of the region are the region op's outputs.
+        exits = tuple(k for k, (nxt, _) in enumerate(node.next_functions)
+                      if nxt is not None and not inside(nxt))
+        node.register_prehook(before)
+        node.register_hook(functools.partial(_after_node, graph, exits))
+
+
+def _before_node(graph: _RegionGraph, grad_outputs: tuple[Tensor | None, ...]) -> None:
+    ex: ExecutorBase | None = graph.executor()
+    if ex is None or ex.closed:
+        return
+    task = _graph_task()
+    if task != graph.task:
+        graph.task, graph.done, graph.grads = task, 0, []
+        graph.expected = sum(1 for n in graph.nodes if _will_execute(n)) or len(graph.nodes)
+    if graph.token is None and not ex.opaque_depth:
+        reads = [st for st in (r() for r in graph.reads) if st is not None]
+        with internal(ex):
+            graph.token = ex.begin_opaque(graph.name, reads + device_storages(ex, list(grad_outputs)))
+        ex.opaque_depth += 1
+
+
+def _after_node(graph: _RegionGraph, exits: tuple[int, ...], grad_inputs: tuple[Tensor | None, ...],
+                grad_outputs: tuple[Tensor | None, ...]) -> None:
+    ex: ExecutorBase | None = graph.executor()
+    if ex is None:
+        return
+    graph.done += 1
+    for k in exits:
+        g = grad_inputs[k]
+        if g is not None:
+            graph.grads.append(weakref.ref(g))
+    if graph.token is not None and graph.done >= graph.expected:
+        token, graph.token = graph.token, None
+        ex.opaque_depth -= 1
+        grads, seen = [], set()
+        for g in (r() for r in graph.grads):
+            if g is not None and id(g) not in seen:
+                seen.add(id(g))
+                grads.append(g)
+        graph.grads = []
+        if not ex.closed:
+            with internal(ex):
+                ex.end_opaque(token, grads)

@@ -1,20 +1,36 @@
-"""Replay: run the planned actions around each op, check the step still matches the trace.
+"""Replay: run the planned actions around each op, checking the step is the traced one.
 
-On the first mismatch (op, output count, shapes or dtypes, or too many / too few ops)
-the rest of the step runs in safe mode: no scheduled action any more, demand paging
-keeps every read correct, and the session re-traces at its next entry; with
-``on_divergence="raise"`` an OffloadDivergenceError names the op instead.
+Before each op replay checks that it is the planned op and that every tensor input is the
+very storage the plan expects (the same activation, or no activation at all); after it,
+that the outputs have the planned shapes and dtypes and that the new storages are new. Any
+difference is a divergence: from that op on the step takes the online path (warmup's
+budget-keeping algorithm, see ``executor_base``) and records itself, so it is finished
+within the budget and becomes a trace the session learns. With ``on_divergence="raise"``
+an ``OffloadDivergenceError`` names the op instead.
+
+Only a storage the schedule moves can be off the device while replay follows the plan, so
+only those are paged in, waited on and marked stale; a write the plan did not predict can
+only come from a divergence (caught before the op runs) or from inside an opaque region,
+whose accesses mark host copies stale as they happen.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
 
 from hyperpar.offload.capture.errors import OffloadDivergenceError
-from hyperpar.offload.capture.executor_base import ExecutorBase
+from hyperpar.offload.capture.executor_base import (
+    COLLECTIVE,
+    ExecutorBase,
+    OpState,
+    internal,
+    op_kind,
+    op_name,
+)
 from hyperpar.offload.capture.op_args import output_leaves, tensor_inputs, written_tensors
 from hyperpar.offload.capture.replay_program import (
     D2H,
@@ -24,12 +40,25 @@ from hyperpar.offload.capture.replay_program import (
     Actions,
     ReplayProgram,
 )
-from hyperpar.offload.capture.warmup import op_name
+from hyperpar.offload.capture.warmup import recorded_trace
+from hyperpar.offload.ir import AccessKind, ActivationTrace
+from hyperpar.offload.ir.guide import NO_STORAGE, NOT_ACTIVATION
 from hyperpar.offload.ir.report import StepReport
 from hyperpar.offload.runtime import ResidencyManager
 
 logger = logging.getLogger(__name__)
 Tensor = torch.Tensor
+READ, WRITE = AccessKind.READ, AccessKind.WRITE
+# Replay leaves the plan when it holds clearly more than the budget or the plan's own peak
+# (a quarter more, and at least this): then the step is not the one planned (other sizes,
+# storages kept alive longer). Copies in flight hold dead storages a little longer than the
+# trace saw, and that alone should not make a step leave its plan.
+SLACK_BYTES = 64 << 10
+
+
+def _limit(budget: int, planned: tuple[int, ...]) -> int:
+    top = max(budget, max(planned, default=0))
+    return top + max(SLACK_BYTES, top // 4)
 
 
 def _describe(leaves: list[Any] | tuple[Any, ...]) -> str:
@@ -44,42 +73,64 @@ def _describe(leaves: list[Any] | tuple[Any, ...]) -> str:
     return "[" + ", ".join(parts) + "]"
 
 
+class _Region:
+    """A plan-following opaque region: the sids its inner ops touched."""
+
+    __slots__ = ("in_ids", "index", "kinds")
+
+    def __init__(self, index: int, kinds: dict[int, AccessKind], in_ids: set[int]) -> None:
+        self.index, self.kinds, self.in_ids = index, kinds, in_ids
+
+
 class ReplayExecutor(ExecutorBase):
     phase = "replay"
 
     def __init__(self, manager: ResidencyManager, device: torch.device, budget_bytes: int,
-                 program: ReplayProgram, on_divergence: str) -> None:
+                 program: ReplayProgram, on_divergence: str,
+                 alternatives: tuple[ReplayProgram, ...] = ()) -> None:
         super().__init__(manager, device, budget_bytes)
         self.program = program
-        self.index = 0
-        self.safe = False
+        self.alternatives = alternatives  # other known plans: a step may turn out to be one
+        self.table.reserve(program.num_sids)
+        self.table.pinned.update(program.pinned)
+        self.moved_sids.update(program.moved)
+        self.online = False  # after a divergence: every op takes the online path
         self.diverged_at: int | None = None
-        self.peak_bytes = 0
-        self.peak_op: int | None = None
+        self.divergence: str | None = None  # why, in words
         self._n = program.num_ops
         self._raise = on_divergence == "raise"
         self._opaque_marks: list[int] = []
+        self._replay_regions: list[_Region] = []
+        self._limit = _limit(budget_bytes, program.planned_resident)
 
     # --- ops (the hot path) ---------------------------------------------------------
     def run_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.online:
+            return self.online_op(func, args, kwargs)
         i = self.index
-        self.index = i + 1
         p = self.program
-        if self.safe or i >= self._n or func is not p.keys[i]:
-            if not self.safe:
-                self._diverge(i, op_name(func), None)
-            return self._run_safe(func, args, kwargs)
+        if i >= self._n or func is not p.keys[i]:
+            if self._switch(i, func, None, None, None):
+                return self.run_op(func, args, kwargs)
+            self._diverge(i, op_name(func), "another op")
+            return self.online_op(func, args, kwargs)
+        ins = tensor_inputs(args, kwargs)
+        if not self._inputs_match(ins, p.in_sids[i]):  # type: ignore[arg-type]
+            if self._switch(i, func, ins, None, None):
+                return self.run_op(func, args, kwargs)
+            self._diverge(i, op_name(func), "its inputs are other storages than the plan's")
+            return self.online_op(func, args, kwargs)
+        self.index = i + 1
+        self.table.now = i
         pre = p.pre[i]
         if pre is not None:
             self._act(pre)
         m = self.manager
         if m.pending_free:
             m.reap()
-        if m.evicted or m.inflight:
-            m.page_in_inputs(tensor_inputs(args, kwargs))
-        writes = p.writes[i]
-        if writes is not None:
-            self._before_writes(writes)
+        moved = p.in_moved[i]
+        if moved is not None:
+            self._bring_moved(moved, p.writes[i])
         timer = self.timer
         if timer is None:
             out = func(*args, **kwargs)
@@ -87,66 +138,112 @@ class ReplayExecutor(ExecutorBase):
             begin = timer.mark()
             out = func(*args, **kwargs)
             self.op_marks.append((p.names[i], begin, timer.mark()))
+        meta = p.meta[i]
         if type(out) is Tensor:
-            meta = p.meta[i]
             m0 = meta[0] if len(meta) == 1 else None
-            if m0 is None or out.dtype is not m0[1] or out.shape != m0[0]:
-                self._diverge(i, op_name(func), [out])
+            leaves = None
+            if (m0 is None or out.dtype is not m0[1] or out.shape != m0[0]) and not self._switch(
+                    i, func, ins, out, None):
+                self._diverge_after(i, func, args, kwargs, [out], "other output shapes")
                 return out
-            self._after(i, None, out)
         else:
             leaves = output_leaves(out)
-            if not self._meta_matches(p.meta[i], leaves):
-                self._diverge(i, op_name(func), leaves)
+            if not self._meta_matches(meta, leaves) and not self._switch(i, func, ins, None, leaves):
+                self._diverge_after(i, func, args, kwargs, leaves, "other output shapes")
                 return out
-            self._after(i, leaves, out)
+        p = self.program
+        binds = p.binds[i]
+        if binds is not None and not self._bind(i, binds, out, leaves):
+            self._diverge_after(i, func, args, kwargs, leaves or [out], "an output is not a new storage")
+            return out
+        self._after(i)
         return out
 
-    def _run_safe(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        m = self.manager
-        if m.pending_free:
-            m.reap()
-        if m.evicted or m.inflight:
-            m.page_in_inputs(tensor_inputs(args, kwargs))
-        if m.pending_d2h_writes_possible():
-            m.wait_d2h_of(self.device_storages(written_tensors(func, args, kwargs)))
-        return func(*args, **kwargs)
+    def _inputs_match(self, ins: list[Tensor], expected: tuple[int, ...]) -> bool:
+        if len(ins) != len(expected):
+            return False
+        refs, sid_of = self.table.refs, self.table.sid_of
+        for t, sid in zip(ins, expected, strict=True):
+            try:
+                st = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                if sid != NO_STORAGE:
+                    return False
+                continue
+            if sid >= 0:
+                ref = refs[sid]
+                if ref is None or ref() is not st:
+                    return False
+            elif sid == NOT_ACTIVATION:
+                other = sid_of.get(id(st))
+                if other is not None and refs[other]() is st:  # type: ignore[misc]
+                    return False
+            else:
+                return False
+        return True
 
-    def _before_writes(self, writes: tuple[int, ...]) -> None:
-        """An op writing a storage waits for its copy out to have read the old bytes."""
+    def _bring_moved(self, moved: tuple[int, ...], writes: tuple[int, ...] | None) -> None:
         m = self.manager
-        entries = m.entries
-        for sid in writes:
+        entries, inflight = m.entries, m.inflight
+        for sid in moved:
             entry = entries.get(sid)
-            if entry is not None and entry.d2h_event is not None:
-                m.wait_d2h(entry)
+            if entry is None:
+                continue
+            if not entry.resident:
+                m.copy_h2d(entry, demand=True)
+            elif inflight and inflight.get(entry.key) is entry:  # its H2D, not waited on yet
+                m.wait_h2d(entry)
+        if writes is not None:
+            for sid in writes:  # its copy out must have read the old bytes
+                entry = entries.get(sid)
+                if entry is not None and entry.d2h_event is not None:
+                    m.wait_d2h(entry)
 
-    def describe_op(self) -> str:
-        i = self.index - 1
-        name = self.program.names[i] if 0 <= i < self._n else "-"
-        return f"at op {i} ({name})"
+    def _bind(self, i: int, binds: tuple[tuple[int, int, bool], ...], out: Any,
+              leaves: list[Any] | None) -> bool:
+        table, m = self.table, self.manager
+        refs, sid_of = table.refs, table.sid_of
+        for leaf_index, sid, moved in binds:
+            leaf = out if leaves is None else leaves[leaf_index]
+            try:
+                st = leaf.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                return False
+            other = sid_of.get(id(st))
+            if other is not None and refs[other]() is st:  # type: ignore[misc]
+                return False
+            table.bind(sid, st, i)
+            if moved:
+                m.bind(sid, st, i)
+        return True
 
-    def _after(self, i: int, leaves: list[Any] | None, out: Any) -> None:
+    def _after(self, i: int) -> None:
         p, m = self.program, self.manager
-        binds = p.binds[i]
-        if binds is not None:
-            if leaves is None:
-                leaves = [out]
-            for leaf, sid in binds:
-                m.bind(sid, leaves[leaf].untyped_storage(), i)
         writes = p.writes[i]
         if writes is not None:
             entries = m.entries
             for sid in writes:
                 entry = entries.get(sid)
                 if entry is not None:
-                    entry.host_current = False
-        resident = p.base_resident[i] - m.offloaded_bytes
+                    m.mark_written(entry)
+        resident = self.table.live_bytes - m.away_bytes
         if resident > self.peak_bytes:
             self.peak_bytes, self.peak_op = resident, i
         post = p.post[i]
         if post is not None:
             self._act(post)
+        if resident > self._limit:
+            # Holds more than planned (other sizes, a release that could not happen): keep
+            # the budget the online way from here on.
+            self._diverge(i + 1, "-", f"{resident} bytes resident after op {i} where the plan "
+                                      f"has {p.planned_resident[i]}")
+
+    def describe_op(self) -> str:
+        if self.online:
+            return super().describe_op()
+        i = self.index - 1
+        name = self.program.names[i] if 0 <= i < self._n else "-"
+        return f"at op {i} ({name})"
 
     @staticmethod
     def _meta_matches(meta: tuple[Any, ...], leaves: list[Any]) -> bool:
@@ -179,67 +276,225 @@ class ReplayExecutor(ExecutorBase):
                 m.release_host(entry)
 
     # --- opaque regions -------------------------------------------------------------
-    def begin_opaque(self, name: str, reads: list[torch.UntypedStorage]) -> int | None:
+    def begin_opaque(self, name: str, reads: list[torch.UntypedStorage]) -> Any:
+        if self.online:
+            return self.online_begin_opaque(name, reads)
         i = self.index
-        self.index = i + 1
         p = self.program
-        if self.safe or i >= self._n or p.keys[i] != name:
-            if not self.safe:
-                self._diverge(i, name, None)
-            self.page_in_storages(reads)
-            return None
+        if (i >= self._n or p.keys[i] != name) and not self._switch(i, name, None, None, None):
+            self._diverge(i, name, "another op")
+            return self.online_begin_opaque(name, reads)
+        p = self.program
+        self.index = i + 1
+        self.table.now = i
         pre = p.pre[i]
         if pre is not None:
             self._act(pre)
-        m = self.manager
-        if m.evicted or m.inflight:
-            self.page_in_storages(reads)
-        writes = p.writes[i]
-        if writes is not None:
-            self._before_writes(writes)
+        kinds: dict[int, AccessKind] = {}
+        table = self.table
+        in_ids = set()
+        for st in reads:
+            in_ids.add(id(st))
+            sid = table.lookup(st)
+            if sid is not None:
+                kinds.setdefault(sid, READ)
+        moved = p.in_moved[i]
+        if moved is not None:
+            self._bring_moved(moved, p.writes[i])
+        self._bring_in(kinds)  # a read the plan did not expect (checked at the end)
         if self.timer is not None:
             self._opaque_marks.append(self.timer.mark())
-        return i
+        region = _Region(i, kinds, in_ids)
+        self._replay_regions.append(region)
+        return region
 
-    def end_opaque(self, token: int | None, outputs: list[Tensor]) -> None:
-        if token is not None and self.timer is not None and self._opaque_marks:
-            self.op_marks.append((self.program.names[token], self._opaque_marks.pop(), self.timer.mark()))
-        if token is None or self.safe:
+    def after_untraced(self, kinds: dict[int, AccessKind]) -> None:
+        if self._replay_regions and not self.regions:
+            rk = self._replay_regions[-1].kinds
+            for sid, kind in kinds.items():
+                if kind is WRITE:
+                    rk[sid] = WRITE
+                else:
+                    rk.setdefault(sid, READ)
+
+    def end_opaque(self, token: Any, outputs: list[Tensor]) -> None:
+        if isinstance(token, OpState):
+            self.online_end_opaque(token, outputs)
             return
+        region: _Region = token
+        if self._replay_regions and self._replay_regions[-1] is region:
+            self._replay_regions.pop()
+        i, p = region.index, self.program
+        if self.timer is not None and self._opaque_marks:
+            self.op_marks.append((p.names[i], self._opaque_marks.pop(), self.timer.mark()))
         leaves = list(outputs)
-        if not self._meta_matches(self.program.meta[token], leaves):
-            self._diverge(token, self.program.names[token], leaves)
+        if self.online:  # diverged inside the region: record it as it ran
+            self._record_region(region, leaves)
             return
-        self._after(token, leaves, None)
+        expected = p.region_accesses[i] or {}
+        binds = p.binds[i]
+        if not self._meta_matches(p.meta[i], leaves):
+            why = "other output shapes"
+        elif binds is not None and not self._bind(i, binds, None, leaves):
+            why = "an output is not a new storage"
+        elif self._region_accesses(region, leaves, binds) != expected:
+            why = "the region touched other storages than the plan's"
+        else:
+            self._after(i)
+            return
+        self._diverge(i, p.names[i], why)
+        self._record_region(region, leaves)
+
+    def _region_accesses(self, region: _Region, leaves: list[Tensor],
+                         binds: tuple[tuple[int, int, bool], ...] | None) -> dict[int, AccessKind]:
+        """What warmup would have recorded for this region (see ``online_end``)."""
+        actual = dict(region.kinds)
+        if binds is not None:
+            for _, sid, _ in binds:
+                actual[sid] = WRITE
+        table = self.table
+        for leaf in leaves:
+            try:
+                st = leaf.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            if id(st) not in region.in_ids:
+                sid = table.lookup(st)
+                if sid is not None:
+                    actual[sid] = WRITE
+        return actual
+
+    def _record_region(self, region: _Region, leaves: list[Tensor]) -> None:
+        """The region's op, recorded from what it did (the trace's prefix ends before it)."""
+        self.ops, self.guides, self.keys = self.ops[:region.index], self.guides[:region.index], \
+            self.keys[:region.index]
+        self._gaps_ms.append(0.0)
+        name = self.program.names[region.index]
+        state = OpState(region.index, name, name, dict(region.kinds), region.in_ids, (), False)
+        state.t0 = time.perf_counter()
+        saved_timer, self.timer = self.timer, None
+        try:
+            self.online_end(state, leaves)
+        finally:
+            self.timer = saved_timer
+
+    # --- reads behind the dispatcher -------------------------------------------------
+    def read_behind_dispatcher(self, storage: torch.UntypedStorage) -> None:
+        sid = self.table.lookup(storage)
+        if sid is None:
+            return
+        if not self.online and sid in self.program.moved and sid not in self.table.pinned:
+            self._diverge(self.index, "-", f"storage {sid} was read behind the dispatcher")
+        super().read_behind_dispatcher(storage)
 
     # --- divergence and end of step -------------------------------------------------
-    def _diverge(self, i: int, actual: str, leaves: list[Any] | None) -> None:
+    def _diverge(self, i: int, actual: str, why: str) -> None:
+        """Leave the plan at op ``i`` (ops before it followed the plan)."""
         p = self.program
-        self.safe = True
         if self.diverged_at is None:
             self.diverged_at = i
-        if i >= self._n:
-            msg = f"replay diverged from the trace at op {i}: the trace has only {self._n} ops, got {actual}"
-        else:
-            msg = f"replay diverged from the trace at op {i}: expected {p.names[i]} -> {_describe(p.meta[i])}"
-            msg += f", got {actual}" + ("" if leaves is None else f" -> {_describe(leaves)}")
-        if self._raise:
-            raise OffloadDivergenceError(msg)
-        logger.warning("%s; finishing this step by demand paging and re-tracing at the next entry", msg)
+            if actual == "-":
+                msg = f"replay left the plan at op {i}: {why}"
+            elif i >= self._n:
+                msg = (f"replay diverged from the trace at op {i}: the trace has only {self._n} ops, "
+                       f"got {actual}")
+            else:
+                msg = (f"replay diverged from the trace at op {i}: expected {p.names[i]} -> "
+                       f"{_describe(p.meta[i])}, got {actual} ({why})")
+            self.divergence = msg
+            if self._raise:
+                raise OffloadDivergenceError(msg)
+            logger.warning("%s; the rest of the step keeps the budget online and is traced", msg)
+        if self.online:
+            return
+        self.online = True
+        self.recording = True
+        self.index = i
+        self.table.now = i
+        t = p.trace
+        self.ops, self.guides, self.keys = list(t.ops[:i]), list(t.guides[:i]), list(p.keys[:i])
+        self._first_online = i
+        with internal(self):
+            self.start_online()
+
+    def _switch(self, i: int, func: Any, ins: list[Tensor] | None, out: Any,
+                leaves: list[Any] | None) -> bool:
+        """Carry on with another known plan whose ops before ``i`` are the ones this step ran
+        and whose op ``i`` is this one (checked on its inputs, and on its outputs when the op
+        has run). Storages the old plan moved that the new one leaves alone come back first."""
+        if self.online or not self.alternatives:
+            return False
+        p = self.program
+        for alt in self.alternatives:
+            if alt is p or alt.num_ops <= i or (alt.keys[i] is not func and alt.keys[i] != func):
+                continue
+            if i > 0 and (i > p.num_ops or alt.prefix[i - 1] != p.prefix[i - 1]):
+                continue
+            if ins is not None and alt.in_sids[i] is not None and not self._inputs_match(ins, alt.in_sids[i]):
+                continue
+            if leaves is not None and not self._meta_matches(alt.meta[i], leaves):
+                continue
+            if out is not None and type(out) is Tensor and not self._meta_matches(alt.meta[i], [out]):
+                continue
+            self._adopt(alt)
+            return True
+        return False
+
+    def _adopt(self, alt: ReplayProgram) -> None:
+        m, table = self.manager, self.table
+        with internal(self):
+            for entry in list(m.entries.values()):
+                if entry.sid not in alt.moved:
+                    if not entry.resident or entry.free_pending or entry.h2d_event is not None:
+                        m.copy_h2d(entry, demand=True)
+                    m.release_host(entry)  # nothing will keep that copy current any more
+            table.reserve(alt.num_sids)
+            for sid in alt.moved:
+                st = table.storage(sid)
+                if st is not None and sid not in m.entries:
+                    m.bind(sid, st, table.producer[sid])
+        table.pinned.update(alt.pinned)
+        self.moved_sids.update(alt.moved)
+        self.program = alt
+        self._n = alt.num_ops
+        self._limit = _limit(self.budget_bytes, alt.planned_resident)
+
+    def _diverge_after(self, i: int, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                       leaves: list[Any], why: str) -> None:
+        """The op ran under the plan but its outputs differ: record it as it ran."""
+        self._diverge(i, f"{op_name(func)} -> {_describe(leaves)}", why)
+        self._gaps_ms.append(0.0)
+        state = self.online_begin(func, op_name(func), tensor_inputs(args, kwargs),
+                                  written_tensors(func, args, kwargs), op_kind(func) == COLLECTIVE)
+        saved_timer, self.timer = self.timer, None
+        try:
+            self.online_end(state, leaves)
+        finally:
+            self.timer = saved_timer
 
     def finish(self, clean: bool, step_ms: float) -> tuple[StepReport, Exception | None]:
         self.closed = True
-        m = self.manager
-        m.restore_all()
+        self.release_region_graphs()
+        with internal(self):
+            self.manager.restore_all()
         pending: Exception | None = None
+        if clean and not self.online and self.index < self._n:
+            self._switch_to_shorter()
         if clean and self.diverged_at is None and self.index < self._n:
             self.diverged_at = self.index
             msg = (f"replay diverged from the trace at op {self.index}: the step ended after {self.index} "
                    f"ops, the trace has {self._n} (next expected {self.program.names[self.index]})")
+            self.divergence = msg
             if self._raise:
                 pending = OffloadDivergenceError(msg)
             else:
-                logger.warning("%s; re-tracing at the next entry", msg)
+                logger.info("%s; the step is traced as it ran", msg)
+            self.recording = True
+            t = self.program.trace
+            self.ops, self.guides = list(t.ops[:self.index]), list(t.guides[:self.index])
+            self.keys = list(self.program.keys[:self.index])
+            self._first_online = self.index
+        m = self.manager
         report = StepReport(
             phase="replay", op_count=self.index, peak_resident_bytes=self.peak_bytes,
             budget_bytes=self.budget_bytes, bytes_d2h=m.bytes_d2h, bytes_h2d=m.bytes_h2d,
@@ -249,3 +504,17 @@ class ReplayExecutor(ExecutorBase):
             offload_cap_hits=m.cap_hits, diverged_at=self.diverged_at,
         )
         return report, pending
+
+    def _switch_to_shorter(self) -> None:
+        """The step ended early: it may be a known plan that is a prefix of this one."""
+        i, p = self.index, self.program
+        for alt in self.alternatives:
+            if alt.num_ops == i and (i == 0 or alt.prefix[i - 1] == p.prefix[i - 1]):
+                self._adopt(alt)
+                return
+
+    def build_trace(self, d2h_gbps: float, h2d_gbps: float) -> ActivationTrace | None:
+        """The step as it ran when it diverged (None when it followed the plan)."""
+        if not self.recording:
+            return None
+        return recorded_trace(self, d2h_gbps, h2d_gbps, first_timed=self._first_online)

@@ -1,7 +1,8 @@
-"""The schedule compiled for replay: per-op tuples, only for storages the schedule moves.
+"""The schedule compiled for replay: per-op tuples, precomputed so the hot path only compares.
 
-A storage the schedule never copies to host needs no binding and no action at replay
-(its device memory is freed by Python as usual), so it costs nothing per op.
+Replay binds every activation the trace saw (to check each op's inputs are the storages
+the plan expects) but acts only on the storages the schedule moves: only those get a
+residency entry, actions and page-in checks.
 """
 
 from __future__ import annotations
@@ -33,25 +34,33 @@ class ReplayProgram:
     names: tuple[str, ...]
     pre: tuple[Actions, ...]
     post: tuple[Actions, ...]
-    binds: tuple[tuple[tuple[int, int], ...] | None, ...]  # (leaf index, sid) of moved storages
+    in_sids: tuple[tuple[int, ...] | None, ...]  # per tensor input: sid, or NOT_ACTIVATION/NO_STORAGE
+    in_moved: tuple[tuple[int, ...] | None, ...]  # moved sids the op reads or writes
+    binds: tuple[tuple[tuple[int, int, bool], ...] | None, ...]  # (leaf, sid, moved) of new storages
     writes: tuple[tuple[int, ...] | None, ...]  # moved sids each op writes
+    region_accesses: tuple[dict[int, AccessKind] | None, ...]  # opaque ops: every sid they touch
     meta: tuple[tuple[LeafCheck, ...], ...]
-    base_resident: tuple[int, ...]  # the trace's resident bytes per op without offload
+    planned_resident: tuple[int, ...]  # the schedule's resident bytes per op (simulated)
+    prefix: tuple[int, ...]  # prefix[i]: a hash of ops 0..i as replay checks them
     moved: frozenset[int]
+    pinned: frozenset[int]
+    num_sids: int
+    trace: ActivationTrace  # a diverged replay takes its ops before the divergence from here
 
     @property
     def num_ops(self) -> int:
         return len(self.keys)
 
     @classmethod
-    def build(cls, trace: ActivationTrace, schedule: ResidencySchedule, keys: list[Any]) -> ReplayProgram:
+    def build(cls, trace: ActivationTrace, schedule: ResidencySchedule, keys: list[Any],
+              planned_resident: list[int] | None = None) -> ReplayProgram:
         n = trace.num_ops
         if schedule.num_ops != n or len(trace.guides) != n or len(keys) != n:
             raise ValueError(
                 f"schedule has {schedule.num_ops} op slots, trace {n} ops, {len(trace.guides)} guides "
                 f"and {len(keys)} keys; they must agree"
             )
-        moved = schedule.moved_sids()
+        moved = schedule.moved_sids() - trace.pinned_sids
         last_access: dict[int, int] = {}
         for i, op in enumerate(trace.ops):
             for acc in op.accesses:
@@ -75,22 +84,42 @@ class ReplayProgram:
                     out.append((RELEASE_FINAL if final else RELEASE, sid))
             return tuple(out) or None
 
-        binds, writes, meta = [], [], []
-        for op, guide in zip(trace.ops, trace.guides, strict=True):
-            b = tuple((leaf, sid) for leaf, sid in sorted(guide.output_bindings.items()) if sid in moved)
+        in_sids, in_moved, binds, writes, regions, meta = [], [], [], [], [], []
+        for op, guide, key in zip(trace.ops, trace.guides, keys, strict=True):
+            opaque = isinstance(key, str)
+            in_sids.append(None if opaque else tuple(guide.input_sids))
+            touched = tuple(a.storage_id for a in op.accesses if a.storage_id in moved)
+            in_moved.append(touched or None)
+            b = tuple((leaf, sid, sid in moved) for leaf, sid in sorted(guide.output_bindings.items()))
             binds.append(b or None)
             w = tuple(a.storage_id for a in op.accesses
                       if a.kind is AccessKind.WRITE and a.storage_id in moved)
             writes.append(w or None)
+            regions.append({a.storage_id: a.kind for a in op.accesses} if opaque else None)
             meta.append(tuple(None if m is None else (tuple(m[0]), _dtype(m[1])) for m in guide.output_meta))
+        if planned_resident is None:
+            planned_resident = trace.resident_bytes_without_offload()
+        prefix, h = [], 0
+        for i in range(n):
+            region = regions[i]
+            h = hash((h, keys[i], in_sids[i], tuple((leaf, sid) for leaf, sid, _ in binds[i] or ()),
+                      meta[i], None if region is None else tuple(sorted(region.items()))))
+            prefix.append(h)
         return cls(
             keys=tuple(keys),
             names=tuple(op.name for op in trace.ops),
             pre=tuple(compile_actions(a, i, False) for i, a in enumerate(schedule.pre)),
             post=tuple(compile_actions(a, i, True) for i, a in enumerate(schedule.post)),
+            in_sids=tuple(in_sids),
+            in_moved=tuple(in_moved),
             binds=tuple(binds),
             writes=tuple(writes),
+            region_accesses=tuple(regions),
             meta=tuple(meta),
-            base_resident=tuple(trace.resident_bytes_without_offload()),
+            planned_resident=tuple(planned_resident),
+            prefix=tuple(prefix),
             moved=moved,
+            pinned=trace.pinned_sids,
+            num_sids=max(trace.storage_sizes, default=-1) + 1,
+            trace=trace,
         )

@@ -10,6 +10,8 @@ from hyperpar.offload.ir.json_io import field as json_field
 
 # (shape, dtype name) of a tensor leaf, or None for a non-tensor leaf.
 LeafMeta = tuple[tuple[int, ...], str] | None
+NOT_ACTIVATION = -1
+NO_STORAGE = -2
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,6 +20,10 @@ class OpGuide:
     output_leaf_count: int
     output_bindings: dict[int, int] = field(default_factory=dict)  # leaf index -> sid
     output_meta: tuple[LeafMeta, ...] = ()
+    # Per tensor input, in argument order: the activation's sid, NOT_ACTIVATION (a parameter,
+    # an input from outside the step) or NO_STORAGE (sparse and other storage-less layouts).
+    # Replay checks each op's inputs against these. Empty for opaque regions.
+    input_sids: tuple[int, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -25,6 +31,7 @@ class OpGuide:
             "output_leaf_count": self.output_leaf_count,
             "output_bindings": [[k, v] for k, v in sorted(self.output_bindings.items())],
             "output_meta": [None if m is None else [list(m[0]), m[1]] for m in self.output_meta],
+            "input_sids": list(self.input_sids),
         }
 
     @classmethod
@@ -44,6 +51,12 @@ class OpGuide:
                 meta.append((tuple(non_negative_int(d, where) for d in m[0]), str(m[1])))
             else:
                 raise IRFormatError(f"{where}: output_meta entry {m!r} is not [shape, dtype]")
+        raw_inputs = doc.get("input_sids", [])
+        if not isinstance(raw_inputs, list) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= NO_STORAGE for v in raw_inputs
+        ):
+            raise IRFormatError(f"{where}: input_sids must be a list of integers >= {NO_STORAGE}, "
+                                f"got {raw_inputs!r}")
         return cls(
             name=json_field(doc, "name", str, where),
             output_leaf_count=non_negative_int(
@@ -51,4 +64,5 @@ class OpGuide:
             ),
             output_bindings=bindings,
             output_meta=tuple(meta),
+            input_sids=tuple(raw_inputs),
         )

@@ -58,16 +58,25 @@ class ActivationTrace:
     h2d_bandwidth_gbps: float = 0.0
     # One guide per op when the trace came from a real step; empty for synthetic traces.
     guides: list[OpGuide] = field(default_factory=list)
+    # Storages that must stay on the device for the whole step: buffers of collectives,
+    # storages shared with sparse or other storage-less tensors, storages read behind the
+    # dispatcher. Planners never move them.
+    pinned_sids: frozenset[int] = frozenset()
+    # sid -> the last op during which the storage was still alive, where that is later than
+    # its last access (Python held it a while longer); it occupies the device until then.
+    death_ops: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.retained_sids = frozenset(self.retained_sids)
+        self.pinned_sids = frozenset(self.pinned_sids)
 
     @property
     def num_ops(self) -> int:
         return len(self.ops)
 
     def lifetimes(self) -> dict[int, tuple[int, int]]:
-        """sid -> (first op, last op) inclusive; retained storages live to the last op."""
+        """sid -> (first op, last op it occupies the device) inclusive: its last access, or
+        later when it died later (``death_ops``); retained storages live to the last op."""
         first: dict[int, int] = {}
         last: dict[int, int] = {}
         for i, op in enumerate(self.ops):
@@ -75,6 +84,9 @@ class ActivationTrace:
                 first.setdefault(acc.storage_id, i)
                 last[acc.storage_id] = i
         end = len(self.ops) - 1
+        for sid, death in self.death_ops.items():
+            if sid in last and death > last[sid]:
+                last[sid] = min(death, end)
         for sid in self.retained_sids:
             if sid in first:
                 last[sid] = end
@@ -113,6 +125,8 @@ class ActivationTrace:
             ],
             "storage_sizes": {str(k): v for k, v in self.storage_sizes.items()},
             "retained_sids": sorted(self.retained_sids),
+            "pinned_sids": sorted(self.pinned_sids),
+            "death_ops": [[sid, op] for sid, op in sorted(self.death_ops.items())],
             "memory_limit_bytes": self.memory_limit_bytes,
             "d2h_bandwidth_gbps": self.d2h_bandwidth_gbps,
             "h2d_bandwidth_gbps": self.h2d_bandwidth_gbps,
@@ -159,6 +173,16 @@ class ActivationTrace:
             non_negative_int(s, f"{where}: retained_sids")
             for s in json_field(doc, "retained_sids", list, where)
         )
+        raw_pinned = doc.get("pinned_sids", [])
+        if not isinstance(raw_pinned, list):
+            raise IRFormatError(f"{where}: pinned_sids must be a list, got {raw_pinned!r}")
+        pinned = frozenset(non_negative_int(s, f"{where}: pinned_sids") for s in raw_pinned)
+        raw_deaths = doc.get("death_ops", [])
+        if not isinstance(raw_deaths, list) or not all(isinstance(p, list) and len(p) == 2
+                                                       for p in raw_deaths):
+            raise IRFormatError(f"{where}: death_ops must be a list of [sid, op] pairs, got {raw_deaths!r}")
+        deaths = {non_negative_int(p[0], f"{where}: death_ops sid"):
+                  non_negative_int(p[1], f"{where}: death_ops op") for p in raw_deaths}
         guides = [
             OpGuide.from_dict(g, f"{where}: guides[{i}]")
             for i, g in enumerate(doc.get("guides", []) or [])
@@ -179,6 +203,8 @@ class ActivationTrace:
                 json_field(doc, "h2d_bandwidth_gbps", (int, float), where), f"{where}: h2d"
             ),
             guides=guides,
+            pinned_sids=pinned,
+            death_ops=deaths,
         )
 
     def save(self, path: str | Path) -> None:

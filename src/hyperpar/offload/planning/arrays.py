@@ -22,8 +22,9 @@ class TraceArrays:
     sids: np.ndarray
     first_op: np.ndarray
     last_op: np.ndarray  # last real access
-    end_op: np.ndarray  # last op it lives to (n-1 when retained)
+    end_op: np.ndarray  # last op it occupies the device (death, or n-1 when retained)
     size: np.ndarray
+    pinned_sids: np.ndarray  # storage ids no schedule may move (sorted)
 
 
 def trace_arrays(trace: ActivationTrace) -> TraceArrays:
@@ -42,6 +43,12 @@ def trace_arrays(trace: ActivationTrace) -> TraceArrays:
     last_op = np.full(len(sids), -1, dtype=np.int64)
     np.maximum.at(last_op, dense, access_op)
     end_op = last_op.copy()
+    if trace.death_ops and len(sids):
+        dead = np.array(sorted(trace.death_ops.items()), dtype=np.int64).reshape(-1, 2)
+        where = np.searchsorted(sids, dead[:, 0])
+        ok = where < len(sids)
+        ok[ok] = sids[where[ok]] == dead[ok, 0]
+        np.maximum.at(end_op, where[ok], np.minimum(dead[ok, 1], n - 1))
     if trace.retained_sids and len(sids):
         retained = np.isin(sids, np.fromiter(trace.retained_sids, dtype=np.int64))
         end_op[retained] = n - 1
@@ -57,6 +64,7 @@ def trace_arrays(trace: ActivationTrace) -> TraceArrays:
         last_op=last_op,
         end_op=end_op,
         size=size,
+        pinned_sids=np.array(sorted(trace.pinned_sids), dtype=np.int64),
     )
 
 
@@ -97,6 +105,8 @@ def gap_arrays(arr: TraceArrays) -> GapArrays:
     same = ~first_in_group[1:]
     long_enough = (op[1:] - op[:-1]) >= 2
     pick = np.flatnonzero(same & long_enough)
+    if len(arr.pinned_sids):
+        pick = pick[~np.isin(sid[pick], arr.pinned_sids)]
     return GapArrays(
         sid=sid[pick],
         start=op[pick],

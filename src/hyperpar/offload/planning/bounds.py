@@ -1,9 +1,10 @@
 """What no schedule can avoid: the floor under resident bytes, hence feasibility.
 
-At op ``k`` a schedule must hold every storage the op accesses, plus retained storages
-past their last access (nothing reads them again, so nothing can bring them back before
-the step ends). Every other live storage sits strictly inside a gap between two of its
-accesses and can be moved off for op ``k``. With copies that take no time this floor is
+At op ``k`` a schedule must hold every storage the op accesses, plus storages past their
+last access that are still alive (retained ones, or held a while longer by Python: nothing
+reads them again, so nothing can bring them back before they die), plus pinned storages
+for their whole life. Every other live storage sits strictly inside a gap between two of
+its accesses and can be moved off for op ``k``. With copies that take no time this floor is
 reachable, so a budget is feasible exactly when it is >= the floor's maximum.
 """
 
@@ -23,10 +24,26 @@ def min_resident_bytes(trace: ActivationTrace) -> list[int]:
         for acc in op.accesses:
             delta[i] += sizes.get(acc.storage_id, 0)
             delta[i + 1] -= sizes.get(acc.storage_id, 0)
+    pinned = trace.pinned_sids
+    ends = trace.lifetimes()
     for sid, last in last_accesses(trace).items():
-        if sid in trace.retained_sids and last + 1 < n:
+        end = ends[sid][1]
+        if end > last and sid not in pinned:  # after its last access nothing brings it back
             delta[last + 1] += sizes.get(sid, 0)
-            delta[n] -= sizes.get(sid, 0)
+            delta[end + 1] -= sizes.get(sid, 0)
+    if pinned:  # on the device from first to last op it lives, between accesses too
+        counted = [0] * (n + 1)
+        for i, op in enumerate(trace.ops):
+            for acc in op.accesses:
+                if acc.storage_id in pinned:
+                    counted[i] += sizes.get(acc.storage_id, 0)
+                    counted[i + 1] -= sizes.get(acc.storage_id, 0)
+        for sid, (lo, hi) in trace.lifetimes().items():
+            if sid in pinned:
+                delta[lo] += sizes.get(sid, 0)
+                delta[hi + 1] -= sizes.get(sid, 0)
+        for i in range(n + 1):
+            delta[i] -= counted[i]
     out, running = [], 0
     for i in range(n):
         running += delta[i]

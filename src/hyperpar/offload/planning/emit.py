@@ -46,9 +46,9 @@ def emit_schedule(
     last_frees: list[tuple[int, int]] = []
     host_frees: list[tuple[int, int]] = []
     retained = trace.retained_sids
-    for sid, last in zip(arr.sids.tolist(), arr.last_op.tolist(), strict=True):
+    for sid, last, end in zip(arr.sids.tolist(), arr.last_op.tolist(), arr.end_op.tolist(), strict=True):
         if sid not in retained:
-            last_frees.append((last, sid))
+            last_frees.append((end, sid))
         if sid in moved:
             host_frees.append((last, sid))
     schedule = ResidencySchedule.empty(trace.num_ops, planner=planner)

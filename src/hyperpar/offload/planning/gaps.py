@@ -29,6 +29,7 @@ class Gap:
 def find_gaps(trace: ActivationTrace) -> list[Gap]:
     """Every candidate gap, in op order of its start (ties: storage id)."""
     sizes = trace.storage_sizes
+    pinned = trace.pinned_sids
     last_access: dict[int, int] = {}
     last_write: dict[int, int] = {}
     gaps: list[Gap] = []
@@ -36,7 +37,7 @@ def find_gaps(trace: ActivationTrace) -> list[Gap]:
         for acc in op.accesses:
             sid = acc.storage_id
             prev = last_access.get(sid)
-            if prev is not None and i - prev >= 2:
+            if prev is not None and i - prev >= 2 and sid not in pinned:
                 gaps.append(Gap(sid, prev, i, last_write.get(sid, prev), sizes.get(sid, 0)))
             if prev is None and acc.kind is not AccessKind.WRITE:
                 # First seen as a READ: its data exists from here on.

@@ -56,6 +56,10 @@ def verify(trace: ActivationTrace, schedule: ResidencySchedule) -> None:
             raise ScheduleError(f"{where(i, phase)}: {kind.value} of unknown storage {sid}", i, sid)
         state = device.get(sid, _NEW)
         if kind is Act.COPY_D2H:
+            if sid in trace.pinned_sids:
+                raise ScheduleError(
+                    f"{where(i, phase)}: copy_d2h of storage {sid}, which is pinned to the device", i, sid
+                )
             if state != _ON_DEVICE:
                 raise ScheduleError(
                     f"{where(i, phase)}: copy_d2h of storage {sid}, which is not on the device", i, sid

@@ -38,6 +38,18 @@ class HostCopyCorruptedError(RuntimeError):
     """``verify=True``: bytes that came back differ from the bytes that left."""
 
 
+class RestoreError(RuntimeError):
+    """The end of a step could not bring some storages' bytes back; names every one."""
+
+    def __init__(self, lost: list[tuple[StorageEntry, BaseException]]) -> None:
+        self.lost = lost
+        parts = [f"storage {e.sid} ({e.nbytes} bytes, made by op {e.producer_op}): {exc!r}"
+                 if e.sid >= 0 else f"waiting for copies: {exc!r}" for e, exc in lost]
+        super().__init__(f"{len(lost)} storage(s) could not be restored after the step; their "
+                         f"tensors hold undefined values: " + "; ".join(parts))
+        self.__cause__ = lost[0][1]
+
+
 def byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
     """A fresh uint8 tensor over the whole storage (its own version counter)."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
@@ -77,6 +89,7 @@ class ResidencyManager:
         self.inflight: dict[int, StorageEntry] = {}  # key -> resident entry whose H2D is not waited on
         self.pending_free: list[StorageEntry] = []
         self.resident_bytes = 0  # bound, alive, resident bytes
+        self.away_bytes = 0  # bound, alive, not resident (released, or its free pending)
         self.offloaded_bytes = 0  # released within their lifetime (not after the last access)
         self.bytes_d2h = 0
         self.bytes_h2d = 0
@@ -138,8 +151,10 @@ class ResidencyManager:
             del self.inflight[entry.key]
         if entry.resident:
             self.resident_bytes -= entry.nbytes
-        elif self.evicted.get(entry.key) is entry:
-            del self.evicted[entry.key]
+        else:
+            self.away_bytes -= entry.nbytes
+            if self.evicted.get(entry.key) is entry:
+                del self.evicted[entry.key]
         if entry.offloaded:
             entry.offloaded = False
             self.offloaded_bytes -= entry.nbytes
@@ -208,6 +223,7 @@ class ResidencyManager:
                 return False
         entry.resident = False
         self.resident_bytes -= entry.nbytes
+        self.away_bytes += entry.nbytes
         self.evicted[entry.key] = entry
         if not final:
             entry.offloaded = True
@@ -253,6 +269,7 @@ class ResidencyManager:
         entry.resident = True
         del self.evicted[entry.key]
         self.resident_bytes += entry.nbytes
+        self.away_bytes -= entry.nbytes
         if entry.offloaded:
             entry.offloaded = False
             self.offloaded_bytes -= entry.nbytes
@@ -356,13 +373,19 @@ class ResidencyManager:
     def restore_all(self) -> None:
         """Page in every evicted storage still alive (the user may keep any of them).
 
-        Every storage is allocated again even when a copy fails (its contents are then lost),
-        so no tensor is left over a 0-byte storage; the first error is raised after all of them.
+        A copy that fails is retried as a plain synchronous copy from the host slab, so a
+        broken copy engine loses nothing. Only a storage whose bytes cannot come back
+        (corrupted, or the retry fails too) is lost; it is still allocated again, so no tensor
+        is left over a 0-byte storage. Every storage is tried before one error names all the
+        lost ones.
         """
-        errors: list[BaseException] = []
-        if self._async:  # finished copies let go of their storages: the dead ones are forgotten
-            self.engine.synchronize()
-            self.engine.poll()
+        lost: list[tuple[StorageEntry, BaseException]] = []
+        try:
+            if self._async:  # finished copies let go of their storages: the dead ones are forgotten
+                self.engine.synchronize()
+                self.engine.poll()
+        except BaseException as exc:  # a failed copy surfaces here on some engines
+            logger.warning("copy engine failed while settling before restore: %s", exc)
         for entry in list(self.evicted.values()):
             storage = entry.ref()
             if storage is None:
@@ -370,22 +393,63 @@ class ResidencyManager:
             try:
                 self.copy_h2d(entry)
             except BaseException as exc:  # finish the others first
-                errors.append(exc)
-                self._force_resident(entry, storage)
+                if not self._copy_back_directly(entry, storage, exc):
+                    lost.append((entry, exc))
+        for entry in list(self.inflight.values()):
+            try:
+                self.wait_h2d(entry)
+            except BaseException as exc:
+                self.inflight.pop(entry.key, None)
+                entry.h2d_event = None
+                storage = entry.ref()
+                if storage is not None and not self._copy_back_directly(entry, storage, exc):
+                    lost.append((entry, exc))
         try:
             self.wait_all()
         except BaseException as exc:
-            errors.append(exc)
-        if errors:
-            raise errors[0]
+            lost.append((StorageEntry(-1, 0, None, 0), exc))  # type: ignore[arg-type]
+        if lost:
+            raise RestoreError(lost)
+
+    def _copy_back_directly(self, entry: StorageEntry, storage: torch.UntypedStorage,
+                            cause: BaseException) -> bool:
+        """Bring the bytes back without the engine; False when they are lost."""
+        try:
+            if entry.free_pending:
+                ok = True  # the device bytes never left
+            elif isinstance(cause, HostCopyCorruptedError) or entry.host is None:
+                ok = False
+            else:
+                if entry.host_event is not None:
+                    self.engine.wait(entry.host_event)
+                if storage.nbytes() != entry.nbytes:
+                    storage.resize_(entry.nbytes)
+                byte_view(storage).copy_(entry.host[: entry.nbytes])
+                ok = True
+        except BaseException as exc:
+            logger.warning("storage %d could not be copied back from host: %s", entry.sid, exc)
+            ok = False
+        self._force_resident(entry, storage)
+        return ok
 
     def _force_resident(self, entry: StorageEntry, storage: torch.UntypedStorage) -> None:
-        if storage.nbytes() != entry.nbytes and not entry.free_pending:
-            storage.resize_(entry.nbytes)  # never leave a 0-byte storage behind
-        entry.free_pending = False
+        try:
+            if storage.nbytes() != entry.nbytes and not entry.free_pending:
+                storage.resize_(entry.nbytes)  # never leave a 0-byte storage behind
+        except RuntimeError as exc:
+            logger.warning("storage %d could not be allocated again: %s", entry.sid, exc)
+        if entry.free_pending:
+            entry.free_pending = False
+        if self.inflight.get(entry.key) is entry:
+            del self.inflight[entry.key]
+        entry.h2d_event = None
         if not entry.resident:
             entry.resident = True
             self.resident_bytes += entry.nbytes
+            self.away_bytes -= entry.nbytes
+            if entry.offloaded:
+                entry.offloaded = False
+                self.offloaded_bytes -= entry.nbytes
         self.evicted.pop(entry.key, None)
 
     def wait_all(self) -> None:
@@ -417,6 +481,7 @@ class ResidencyManager:
         self.inflight.clear()
         self.pending_free = []
         self.resident_bytes = 0
+        self.away_bytes = 0
         self.offloaded_bytes = 0
 
     def _drop_host(self, entry: StorageEntry) -> None:

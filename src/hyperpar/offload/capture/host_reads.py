@@ -1,0 +1,110 @@
+"""Python reads of tensor bytes that no op shows the dispatcher: ``.tolist()``, ``.numpy()``...
+
+``Tensor.tolist``, ``numpy``, ``__array__``, ``__dlpack__``, ``data_ptr``, ``item``,
+``__reduce_ex__`` (pickle, ``torch.save``), ``__deepcopy__`` and the printing methods read a
+storage's bytes without dispatching an op (or, for printing, with the dispatch modes
+switched off), so a planned eviction could free those bytes under them. While any session
+step runs these methods are wrapped: a tensor whose storage is an activation of the step
+(found through the dispatch mode of the calling thread, which autograd's threads inherit)
+is brought back to the device and pinned there for the rest of the step before the read.
+
+From another thread the step may move an activation at any moment, so reading one that
+is not pinned raises ``ActivationReadError`` instead of risking a crash; pin it from the
+step's thread with ``OffloadSession.keep_on_device`` to share it. Reads that go through
+ops in another thread (``h.sum()`` on a logger thread) are not seen and are not supported.
+
+There is no torch hook for these reads, hence the wrapping; it is installed when the first
+step enters, removed when the last one exits, and costs about a microsecond per call.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from hyperpar.offload.capture.executor_base import ExecutorBase
+
+_METHODS = ("tolist", "numpy", "__array__", "__dlpack__", "data_ptr", "item", "__reduce_ex__",
+            "__deepcopy__", "__repr__", "__str__", "__format__")
+
+
+class ActivationReadError(RuntimeError):
+    """Another thread read an activation that a running offload step may move."""
+
+
+_lock = threading.Lock()
+_running: dict[int, tuple[ExecutorBase, int]] = {}  # id(executor) -> (executor, thread id)
+_originals: dict[str, Any] = {}
+
+
+def step_started(ex: ExecutorBase) -> None:
+    with _lock:
+        if not _running:
+            for name in _METHODS:
+                original = torch.Tensor.__dict__.get(name)
+                _originals[name] = original
+                setattr(torch.Tensor, name, _guarded(getattr(torch.Tensor, name)))
+        _running[id(ex)] = (ex, threading.get_ident())
+
+
+def step_ended(ex: ExecutorBase) -> None:
+    with _lock:
+        if _running.pop(id(ex), None) is None or _running:
+            return
+        for name, original in _originals.items():
+            if original is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, original)
+        _originals.clear()
+
+
+def _guarded(method: Any) -> Any:
+    @functools.wraps(method)
+    def guarded(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if _running:
+            before_host_read(self)
+        return method(self, *args, **kwargs)
+
+    return guarded
+
+
+def _this_threads_executor() -> ExecutorBase | None:
+    """The step whose dispatch mode this thread runs under (autograd threads inherit it), or
+    the step started in this thread."""
+    from hyperpar.offload.capture.dispatch_mode import OffloadDispatchMode
+
+    for mode in _get_current_dispatch_mode_stack():
+        if isinstance(mode, OffloadDispatchMode):
+            return mode.executor
+    me = threading.get_ident()
+    for ex, thread in list(_running.values()):
+        if thread == me:
+            return ex
+    return None
+
+
+def before_host_read(t: torch.Tensor) -> None:
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return
+    mine = _this_threads_executor()
+    if mine is not None and not mine.closed and not mine.passthrough:
+        mine.read_behind_dispatcher(storage)
+        return
+    for ex, thread in list(_running.values()):
+        if ex is mine or ex.closed:
+            continue
+        sid = ex.table.lookup(storage)
+        if sid is not None and sid not in ex.table.pinned:
+            raise ActivationReadError(
+                f"this tensor ({tuple(t.shape)}, {t.dtype}) is an activation of an OffloadSession "
+                f"step running in thread {thread}, which may move it off the device at any moment; "
+                f"read it in that thread, after the step, or pin it there first with "
+                f"session.keep_on_device(tensor)"
+            )
