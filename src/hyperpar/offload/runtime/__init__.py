@@ -7,6 +7,7 @@ from hyperpar.offload.runtime.op_timer import OpTimer
 from hyperpar.offload.runtime.residency_manager import (
     HostCopyCorruptedError,
     ResidencyManager,
+    RestoreError,
     StorageEntry,
 )
 from hyperpar.offload.runtime.thread_copy_engine import ThreadCopyEngine
@@ -20,6 +21,7 @@ __all__ = [
     "LinkBandwidth",
     "OpTimer",
     "ResidencyManager",
+    "RestoreError",
     "StepTimeline",
     "StorageEntry",
     "SyncCopyEngine",
