@@ -4,11 +4,19 @@ The first clean exit turns the warmup trace into a schedule; later entries repla
 Whatever happens inside, every evicted storage still alive is paged back in on exit, so
 the tensors the user keeps are ordinary tensors afterwards.
 
-A training loop may cycle through a few different steps (gradient accumulation: the first
-micro-step creates ``.grad``, the next ones add into it). The session keeps up to
-``MAX_PLANS`` plans keyed by the step's structure and learns which plan follows which: a
-step that diverges from its predicted plan finishes on the online path and traces itself,
-so its plan exists at once and the cycle replays without divergence from then on.
+Plans are keyed by the step's *structure* (ops, which storage each input is, output
+dtypes and ranks), not by sizes: a step with another sequence length or batch size replays
+its structure's plan. Each structure keeps plans for a few sizes (``size_bucket`` of its
+first activation, about 19 % apart), each planned for the largest step seen of that size;
+a step of a size not planned yet replays the nearest larger plan (or the largest one, with
+replay evicting beyond it when it holds more than the budget), and its measured sizes are
+planned right after it, without a warmup.
+
+A training loop may cycle through a few different structures (gradient accumulation: the
+first micro-step creates ``.grad``, the next ones add into it). The session keeps up to
+``MAX_STRUCTURES`` and learns which follows which; a step that turns out to be another known
+structure switches to it, and one that is new finishes on the online path and traces
+itself, so its plan exists at once.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
 
@@ -32,6 +40,7 @@ from hyperpar.offload.capture import (
     WarmupExecutor,
     current_offload_mode,
     host_reads,
+    size_bucket,
 )
 from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
 from hyperpar.offload.ir.report import StepReport
@@ -52,27 +61,39 @@ def _outside_an_op() -> str:
     return "outside an op"
 
 
-MAX_PLANS = 4
-_UNKNOWN = object()  # no step has followed this plan yet
+MAX_STRUCTURES = 4
+MAX_SIZES = 16  # plans per structure
+# A step of a planned size whose activations are this much larger in total is planned again.
+REPLAN_GROWTH = 1.01
+_UNKNOWN = object()  # no step has followed this structure yet
 
 
 @dataclass(eq=False)
 class _Plan:
-    signature: int
+    signature: int  # the structure's
     trace: ActivationTrace
     schedule: ResidencySchedule
     program: ReplayProgram
     predicted_ms: float
+    total_bytes: int  # of every activation, at the sizes it was planned for
+
+
+@dataclass(eq=False)
+class _Structure:
+    keys: list[object]
+    sizes: dict[int, _Plan]  # size bucket -> plan
+    last: _Plan  # the plan its last step followed
 
 
 def _signature(trace: ActivationTrace, keys: list[object]) -> int:
-    """Everything replay binds by (ops, inputs, outputs, storage accesses and sizes), not timings."""
+    """Everything replay checks (ops, inputs, outputs' dtypes and ranks, storage accesses,
+    pins), not sizes or timings."""
     return hash((
         tuple(keys),
-        tuple((g.output_leaf_count, tuple(sorted(g.output_bindings.items())), g.output_meta, g.input_sids)
+        tuple((g.output_leaf_count, tuple(sorted(g.output_bindings.items())), g.input_sids,
+               tuple(None if m is None else (len(m[0]), m[1]) for m in g.output_meta))
               for g in trace.guides),
         tuple(op.accesses for op in trace.ops),
-        tuple(sorted(trace.storage_sizes.items())),
         trace.pinned_sids,
     ))
 
@@ -88,9 +109,9 @@ class OffloadSession:
         self.trace: ActivationTrace | None = None
         self.schedule: ResidencySchedule | None = None
         self.last_report: StepReport | None = None
-        self._plans: OrderedDict[int, _Plan] = OrderedDict()  # signature -> plan, oldest first
-        self._next: dict[int, int | None] = {}  # plan -> the plan that followed it (None: trace)
-        self._prev: int | None = None  # plan of the last clean step
+        self._structures: OrderedDict[int, _Structure] = OrderedDict()  # signature -> it, oldest first
+        self._next: dict[int, int | None] = {}  # structure -> the one that followed it (None: trace)
+        self._prev: int | None = None  # structure of the last clean step
         self._came_from: int | None = None  # self._prev when the running step entered
         self._running: _Plan | None = None  # the plan the running replay follows
         self._record_timeline = config.timeline
@@ -172,7 +193,7 @@ class OffloadSession:
             raise RuntimeError("this OffloadSession is already active: a session is not re-entrant")
         if current_offload_mode() is not None:
             raise RuntimeError("another OffloadSession is active: sessions cannot be nested")
-        if self.config.device is None and not self._plans and self.last_report is None:
+        if self.config.device is None and not self._structures and self.last_report is None:
             device = self.config.resolved_device()  # bound at the first step, not when built
             if device != self.device:
                 self._bind_device(device)
@@ -184,7 +205,8 @@ class OffloadSession:
         plan = self._choose()
         self._came_from, self._running = self._prev, plan
         if plan is not None:
-            others = tuple(p.program for p in reversed(self._plans.values()) if p is not plan)
+            others = tuple(p.program for st in reversed(self._structures.values())
+                           for p in [st.last, *st.sizes.values()] if p is not plan)
             executor: ExecutorBase = ReplayExecutor(m, self.device, budget, plan.program,
                                                     self.config.on_divergence, others)
             if self._record_timeline:
@@ -244,12 +266,13 @@ class OffloadSession:
 
     def _choose(self) -> _Plan | None:
         """The plan the next step should replay, or None to trace it."""
-        if self._prev is None or self._prev not in self._plans:
+        if self._prev is None or self._prev not in self._structures:
             return None
         nxt = self._next.get(self._prev, _UNKNOWN)
         if nxt is _UNKNOWN:  # assume steps repeat until one diverges
-            return self._plans[self._prev]
-        return None if nxt is None else self._plans.get(nxt)  # type: ignore[arg-type]
+            return self._structures[self._prev].last
+        structure = None if nxt is None else self._structures.get(nxt)  # type: ignore[arg-type]
+        return None if structure is None else structure.last
 
     def _forget_successor(self) -> None:
         """The step after ``_came_from`` is not what was predicted: trace it next time."""
@@ -273,20 +296,69 @@ class OffloadSession:
                 self._timeline = executor.timeline(self._manager.engine.spans())
         if trace is not None:  # a warmup, or a replay that diverged and traced itself
             signature = _signature(trace, keys)
-            plan = self._plans.get(signature)
-            if plan is None:
+            structure = self._structures.get(signature)
+            if structure is None:
                 plan = self._new_plan(signature, trace, keys)
+            else:  # a known structure at sizes of its own: plan them
+                plan = self._size_plan(structure, signature, trace)
         else:  # the plan it ended on (it may have switched to another known one)
             assert isinstance(executor, ReplayExecutor)
-            plan = next(p for p in self._plans.values() if p.program is executor.program)
+            plan = self._after_replay(executor)
             report.predicted_step_ms = plan.predicted_ms
-        self._plans.move_to_end(plan.signature)
+        self._structures.move_to_end(plan.signature)
+        self._structures[plan.signature].last = plan
         self._learn(plan.signature)
         self.trace, self.schedule = plan.trace, plan.schedule
         self.phase = "warmup" if self._choose() is None else "replay"
         self.last_report = report
 
+    def _after_replay(self, executor: ReplayExecutor) -> _Plan:
+        """The plan a replay ended on; a step of a size with no plan yet, or larger than its
+        plan's, has its measured sizes planned now (no warmup needed)."""
+        program = executor.program
+        structure = next(st for st in self._structures.values()
+                         if any(p.program is program for p in st.sizes.values()))
+        plan = next(p for p in structure.sizes.values() if p.program is program)
+        nbytes = executor.table.nbytes
+        sizes = {sid: nbytes[sid] for sid in plan.trace.storage_sizes}
+        bucket = size_bucket(sizes.get(0, 0))
+        own = structure.sizes.get(bucket)
+        if own is None or sum(sizes.values()) > own.total_bytes * REPLAN_GROWTH:
+            if own is not None:  # plan for the larger of the two at each storage
+                sizes = {sid: max(n, own.trace.storage_sizes.get(sid, 0)) for sid, n in sizes.items()}
+            plan = self._size_plan(structure, plan.signature, self._resized(plan.trace, sizes))
+        return plan
+
+    @staticmethod
+    def _resized(trace: ActivationTrace, sizes: dict[int, int]) -> ActivationTrace:
+        """The same structure at other sizes. Op durations stay; the links are scaled by the
+        size ratio instead, so copies take the same share of the step as they did."""
+        ratio = max(sum(sizes.values()), 1) / max(sum(trace.storage_sizes.values()), 1)
+        return replace(trace, storage_sizes=sizes, d2h_bandwidth_gbps=trace.d2h_bandwidth_gbps * ratio,
+                       h2d_bandwidth_gbps=trace.h2d_bandwidth_gbps * ratio)
+
+    def _size_plan(self, structure: _Structure, signature: int, trace: ActivationTrace) -> _Plan:
+        base = next(iter(structure.sizes.values())).program
+        plan = self._plan(signature, trace, structure.keys, base)
+        bucket = plan.program.bucket
+        structure.sizes.pop(bucket, None)
+        structure.sizes[bucket] = plan
+        while len(structure.sizes) > MAX_SIZES:
+            structure.sizes.pop(next(iter(structure.sizes)))
+        return plan
+
     def _new_plan(self, signature: int, trace: ActivationTrace, keys: list[object]) -> _Plan:
+        plan = self._plan(signature, trace, keys, None)
+        self._structures[signature] = _Structure(keys, {plan.program.bucket: plan}, plan)
+        while len(self._structures) > MAX_STRUCTURES:
+            old, _ = self._structures.popitem(last=False)
+            self._next.pop(old, None)
+            for key in [k for k, v in self._next.items() if v == old]:
+                del self._next[key]
+        return plan
+
+    def _plan(self, signature: int, trace: ActivationTrace, keys: list[object],
+              structure: ReplayProgram | None) -> _Plan:
         from hyperpar.offload.planning import simulate  # planning sits beside capture
 
         schedule = self.config.resolved_planner().build(trace)
@@ -294,18 +366,12 @@ class OffloadSession:
         predicted = schedule.notes.get("predicted_step_ms")
         if not isinstance(predicted, (int, float)) or isinstance(predicted, bool):
             predicted = sim.predicted_step_ms
-        plan = _Plan(signature, trace, schedule,
-                     ReplayProgram.build(trace, schedule, keys, sim.resident_bytes), float(predicted))
-        self._plans[signature] = plan
-        while len(self._plans) > MAX_PLANS:
-            old, _ = self._plans.popitem(last=False)
-            self._next.pop(old, None)
-            for key in [k for k, v in self._next.items() if v == old]:
-                del self._next[key]
-        return plan
+        program = ReplayProgram.build(trace, schedule, keys, sim.resident_bytes, structure)
+        return _Plan(signature, trace, schedule, program, float(predicted),
+                     sum(trace.storage_sizes.values()))
 
     def _learn(self, signature: int) -> None:
-        if self._came_from is not None and self._came_from in self._plans:
+        if self._came_from is not None and self._came_from in self._structures:
             self._next[self._came_from] = signature
         self._prev = signature
 

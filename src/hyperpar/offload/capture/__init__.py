@@ -8,7 +8,7 @@ from hyperpar.offload.capture.host_reads import ActivationReadError
 from hyperpar.offload.capture.op_args import tensor_inputs, written_tensors
 from hyperpar.offload.capture.opaque import run_opaque
 from hyperpar.offload.capture.replay import ReplayExecutor
-from hyperpar.offload.capture.replay_program import ReplayProgram
+from hyperpar.offload.capture.replay_program import ReplayProgram, size_bucket
 from hyperpar.offload.capture.warmup import WarmupExecutor
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "current_offload_mode",
     "host_reads",
     "run_opaque",
+    "size_bucket",
     "tensor_inputs",
     "written_tensors",
 ]

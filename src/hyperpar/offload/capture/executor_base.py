@@ -66,12 +66,13 @@ def fully_visible(leaf: Tensor) -> bool:
 class OpState:
     """One op of the online path between its start and its end."""
 
-    __slots__ = ("in_ids", "in_sids", "index", "key", "kinds", "name", "pin", "start_event", "t0")
+    __slots__ = ("in_bytes", "in_ids", "in_sids", "index", "key", "kinds", "name", "pin", "start_event",
+                 "t0")
 
     def __init__(self, index: int, key: Any, name: str, kinds: dict[int, AccessKind],
-                 in_ids: set[int], in_sids: tuple[int, ...], pin: bool) -> None:
+                 in_ids: set[int], in_sids: tuple[int, ...], pin: bool, in_bytes: int = 0) -> None:
         self.index, self.key, self.name, self.kinds = index, key, name, kinds
-        self.in_ids, self.in_sids, self.pin = in_ids, in_sids, pin
+        self.in_ids, self.in_sids, self.pin, self.in_bytes = in_ids, in_sids, pin, in_bytes
         self.t0 = 0.0
         self.start_event: torch.Event | None = None
 
@@ -103,6 +104,7 @@ class ExecutorBase:
         self.moved_sids: set[int] = set()
         self._plain: dict[int, weakref.ref] = {}  # storages first seen as inputs: not activations
         self._heap: list[tuple[int, int, int]] = []  # (producer op, -bytes, sid): eviction order
+        self._out_ratio: dict[Any, float] = {}  # op -> most bytes it made per input byte
         self._gaps_ms: list[float] = []  # host time between the previous op's return and this op
         self._last_exit = time.perf_counter()
         # On an accelerator without a timer an op is timed by events (the device's own time).
@@ -188,11 +190,19 @@ class ExecutorBase:
         self._bring_in(kinds)
         if pin:
             self.pin_sids(kinds)
-        self.enforce_budget(kinds)
-        state = OpState(self.index, key, name, kinds, in_ids, in_sids, pin)
+        in_bytes = sum(t.nbytes for t in inputs if t.layout is _STRIDED)
+        # Room for what the op is about to allocate: as much as it made per input byte before
+        # (a view op makes nothing; another op, at first, as much as it reads).
+        ratio = self._out_ratio.get(key)
+        if ratio is None:
+            ratio = 0.0 if getattr(key, "is_view", False) else 1.0
+        self.enforce_budget(kinds, target=self.budget_bytes - int(ratio * in_bytes))
+        return self._start(OpState(self.index, key, name, kinds, in_ids, in_sids, pin, in_bytes))
+
+    def _start(self, state: OpState) -> OpState:
         self.table.now = self.index
         self.index += 1
-        self._current = name
+        self._current = state.name
         if self.timer is not None:  # events on an accelerator, read once at the end of the step
             state.t0 = self.timer.mark()
         elif self._events:
@@ -252,6 +262,10 @@ class ExecutorBase:
                 new.append((nbytes, st, li, leaf))
         bindings = bound
         new.sort(key=lambda x: -x[0])
+        if state.in_bytes:
+            made = sum(x[0] for x in new) / state.in_bytes
+            if made > self._out_ratio.get(state.key, 0.0):
+                self._out_ratio[state.key] = made
         for nbytes, st, li, leaf in new:
             sid = table.new_sid()
             table.bind(sid, st, i)
@@ -304,14 +318,16 @@ class ExecutorBase:
                 self.manager.resident_bytes += nbytes - entry.nbytes
                 entry.nbytes = nbytes
 
-    def enforce_budget(self, protected: dict[int, AccessKind] | set[int]) -> None:
-        """Evict the oldest resident activations until the budget holds (or nothing is left)."""
+    def enforce_budget(self, protected: Any, target: int | None = None) -> None:
+        """Evict the oldest resident activations until ``target`` (default: the budget) holds,
+        or nothing is left to evict; ``protected`` sids stay."""
         m, table, heap = self.manager, self.table, self._heap
-        if table.live_bytes - m.away_bytes <= self.budget_bytes:
+        limit = self.budget_bytes if target is None else target
+        if table.live_bytes - m.away_bytes <= limit:
             return
         skipped = []
         entries, pinned = m.entries, table.pinned
-        while table.live_bytes - m.away_bytes > self.budget_bytes and heap:
+        while table.live_bytes - m.away_bytes > limit and heap:
             item = heapq.heappop(heap)
             sid = item[2]
             if sid in pinned:
@@ -330,7 +346,7 @@ class ExecutorBase:
                 continue
             if entry is None:
                 entry = m.bind(sid, st, producer_op=table.producer[sid])
-                self.moved_sids.add(sid)
+            self.moved_sids.add(sid)
             if not (m.copy_d2h(entry) and m.release_device(entry)):
                 entry.evictable = False  # host pool at its cap, or a non-resizable storage
         for item in skipped:
@@ -413,17 +429,7 @@ class ExecutorBase:
                 kinds.setdefault(sid, READ)
         self._bring_in(kinds)
         self.enforce_budget(kinds)
-        state = OpState(self.index, name, name, kinds, in_ids, (), False)
-        self.table.now = self.index
-        self.index += 1
-        self._current = name
-        if self.timer is not None:
-            state.t0 = self.timer.mark()
-        elif self._events:
-            state.start_event = torch.Event(device=self.device, enable_timing=True)
-            state.start_event.record()
-        else:
-            state.t0 = time.perf_counter()
+        state = self._start(OpState(self.index, name, name, kinds, in_ids, (), False))
         self.regions.append(state)
         return state
 

@@ -16,6 +16,7 @@ whose accesses mark host copies stale as they happen.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 from typing import Any
@@ -39,6 +40,7 @@ from hyperpar.offload.capture.replay_program import (
     RELEASE_FINAL,
     Actions,
     ReplayProgram,
+    size_bucket,
 )
 from hyperpar.offload.capture.warmup import recorded_trace
 from hyperpar.offload.ir import AccessKind, ActivationTrace
@@ -49,16 +51,15 @@ from hyperpar.offload.runtime import ResidencyManager
 logger = logging.getLogger(__name__)
 Tensor = torch.Tensor
 READ, WRITE = AccessKind.READ, AccessKind.WRITE
-# Replay leaves the plan when it holds clearly more than the budget or the plan's own peak
-# (a quarter more, and at least this): then the step is not the one planned (other sizes,
-# storages kept alive longer). Copies in flight hold dead storages a little longer than the
-# trace saw, and that alone should not make a step leave its plan.
+# Replay starts evicting on its own (see ``_relieve``) when it holds more than the budget,
+# or than the plan's own peak when the budget cannot be met, by more than this slack:
+# copies in flight hold dead storages a little longer than the trace saw.
 SLACK_BYTES = 64 << 10
 
 
 def _limit(budget: int, planned: tuple[int, ...]) -> int:
     top = max(budget, max(planned, default=0))
-    return top + max(SLACK_BYTES, top // 4)
+    return top + max(SLACK_BYTES, top // 50)
 
 
 def _describe(leaves: list[Any] | tuple[Any, ...]) -> str:
@@ -67,7 +68,7 @@ def _describe(leaves: list[Any] | tuple[Any, ...]) -> str:
         if isinstance(leaf, Tensor):
             parts.append(f"{tuple(leaf.shape)}:{str(leaf.dtype).removeprefix('torch.')}")
         elif isinstance(leaf, tuple) and len(leaf) == 2 and isinstance(leaf[1], torch.dtype):
-            parts.append(f"{tuple(leaf[0])}:{str(leaf[1]).removeprefix('torch.')}")
+            parts.append(f"{leaf[0]}-d:{str(leaf[1]).removeprefix('torch.')}")
         else:
             parts.append("-")
     return "[" + ", ".join(parts) + "]"
@@ -102,6 +103,8 @@ class ReplayExecutor(ExecutorBase):
         self._opaque_marks: list[int] = []
         self._replay_regions: list[_Region] = []
         self._limit = _limit(budget_bytes, program.planned_resident)
+        self.relieved = False  # evicted beyond the plan: every op pages in and marks writes
+        self.first_size = -1  # bytes of the step's first activation (picks the size's plan)
 
     # --- ops (the hot path) ---------------------------------------------------------
     def run_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -131,6 +134,8 @@ class ReplayExecutor(ExecutorBase):
         moved = p.in_moved[i]
         if moved is not None:
             self._bring_moved(moved, p.writes[i])
+        if self.relieved:
+            self._bring_any(func, ins, args, kwargs)
         timer = self.timer
         if timer is None:
             out = func(*args, **kwargs)
@@ -142,14 +147,14 @@ class ReplayExecutor(ExecutorBase):
         if type(out) is Tensor:
             m0 = meta[0] if len(meta) == 1 else None
             leaves = None
-            if (m0 is None or out.dtype is not m0[1] or out.shape != m0[0]) and not self._switch(
+            if (m0 is None or out.dtype is not m0[1] or out.dim() != m0[0]) and not self._switch(
                     i, func, ins, out, None):
-                self._diverge_after(i, func, args, kwargs, [out], "other output shapes")
+                self._diverge_after(i, func, args, kwargs, [out], "other output dtypes or ranks")
                 return out
         else:
             leaves = output_leaves(out)
             if not self._meta_matches(meta, leaves) and not self._switch(i, func, ins, None, leaves):
-                self._diverge_after(i, func, args, kwargs, leaves, "other output shapes")
+                self._diverge_after(i, func, args, kwargs, leaves, "other output dtypes or ranks")
                 return out
         p = self.program
         binds = p.binds[i]
@@ -199,11 +204,11 @@ class ReplayExecutor(ExecutorBase):
                 if entry is not None and entry.d2h_event is not None:
                     m.wait_d2h(entry)
 
-    def _bind(self, i: int, binds: tuple[tuple[int, int, bool], ...], out: Any,
+    def _bind(self, i: int, binds: tuple[tuple[int, int], ...], out: Any,
               leaves: list[Any] | None) -> bool:
         table, m = self.table, self.manager
         refs, sid_of = table.refs, table.sid_of
-        for leaf_index, sid, moved in binds:
+        for leaf_index, sid in binds:
             leaf = out if leaves is None else leaves[leaf_index]
             try:
                 st = leaf.untyped_storage()
@@ -213,9 +218,52 @@ class ReplayExecutor(ExecutorBase):
             if other is not None and refs[other]() is st:  # type: ignore[misc]
                 return False
             table.bind(sid, st, i)
-            if moved:
+            if sid == 0 and self.first_size < 0:
+                self._pick_size(table.nbytes[0])
+            if sid in self.program.moved:
                 m.bind(sid, st, i)
+            if self.relieved and sid not in table.pinned:
+                heapq.heappush(self._heap, (i, -table.nbytes[sid], sid))
         return True
+
+    def _pick_size(self, nbytes: int) -> None:
+        """The step's first activation tells its size: follow the plan made for that size (or
+        the nearest larger one, which moves at least enough), if another is known."""
+        self.first_size = nbytes
+        want, p = size_bucket(nbytes), self.program
+        if p.bucket == want:
+            return
+        same = [alt for alt in self.alternatives
+                if alt.structure == p.structure and alt.num_ops == p.num_ops]
+        if not same:
+            return
+        exact = [alt for alt in same if alt.bucket == want]
+        larger = sorted((alt for alt in same if alt.bucket > want), key=lambda a: a.bucket)
+        pick = exact[0] if exact else larger[0] if larger else None
+        if pick is None and p.bucket < want:  # all smaller: the largest of them
+            pick = max(same, key=lambda a: a.bucket)
+            if pick.bucket <= p.bucket:
+                pick = None
+        if pick is not None and pick is not p:
+            self._adopt(pick)
+
+    def _bring_any(self, func: Any, ins: list[Tensor], args: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> None:
+        """After evicting beyond the plan: any input may be off the device, and a write to any
+        storage with a host copy makes that copy stale."""
+        m = self.manager
+        if m.evicted or m.inflight:
+            m.page_in_inputs(ins)
+        written = written_tensors(func, args, kwargs)
+        for t in written:
+            try:
+                entry = m.lookup(t.untyped_storage())
+            except (RuntimeError, NotImplementedError):
+                continue
+            if entry is not None:
+                if entry.d2h_event is not None:
+                    m.wait_d2h(entry)
+                m.mark_written(entry)
 
     def _after(self, i: int) -> None:
         p, m = self.program, self.manager
@@ -233,10 +281,20 @@ class ReplayExecutor(ExecutorBase):
         if post is not None:
             self._act(post)
         if resident > self._limit:
-            # Holds more than planned (other sizes, a release that could not happen): keep
-            # the budget the online way from here on.
-            self._diverge(i + 1, "-", f"{resident} bytes resident after op {i} where the plan "
-                                      f"has {p.planned_resident[i]}")
+            self._relieve(i)
+
+    def _relieve(self, i: int) -> None:
+        """Holding more than planned (a larger size than the plan's, a release that could not
+        happen): evict the oldest activations the way warmup does, still following the plan."""
+        if not self.relieved:
+            self.relieved = True
+            logger.info("replay holds %d bytes after op %d, over its limit of %d: evicting beyond "
+                        "the plan for the rest of the step",
+                        self.table.live_bytes - self.manager.away_bytes, i, self._limit)
+            with internal(self):
+                self.start_online()
+        with internal(self):
+            self.enforce_budget((), target=max(self.budget_bytes, max(self.program.planned_resident)))
 
     def describe_op(self) -> str:
         if self.online:
@@ -247,13 +305,14 @@ class ReplayExecutor(ExecutorBase):
 
     @staticmethod
     def _meta_matches(meta: tuple[Any, ...], leaves: list[Any]) -> bool:
+        """Dtypes and ranks (not sizes: steps of another length follow the same structure)."""
         if len(meta) != len(leaves):
             return False
         for m, leaf in zip(meta, leaves, strict=True):
             if m is None:
                 if isinstance(leaf, Tensor):
                     return False
-            elif not isinstance(leaf, Tensor) or leaf.dtype is not m[1] or leaf.shape != m[0]:
+            elif not isinstance(leaf, Tensor) or leaf.dtype is not m[1] or leaf.dim() != m[0]:
                 return False
         return True
 
@@ -334,7 +393,7 @@ class ReplayExecutor(ExecutorBase):
         expected = p.region_accesses[i] or {}
         binds = p.binds[i]
         if not self._meta_matches(p.meta[i], leaves):
-            why = "other output shapes"
+            why = "other output dtypes or ranks"
         elif binds is not None and not self._bind(i, binds, None, leaves):
             why = "an output is not a new storage"
         elif self._region_accesses(region, leaves, binds) != expected:
@@ -346,11 +405,11 @@ class ReplayExecutor(ExecutorBase):
         self._record_region(region, leaves)
 
     def _region_accesses(self, region: _Region, leaves: list[Tensor],
-                         binds: tuple[tuple[int, int, bool], ...] | None) -> dict[int, AccessKind]:
+                         binds: tuple[tuple[int, int], ...] | None) -> dict[int, AccessKind]:
         """What warmup would have recorded for this region (see ``online_end``)."""
         actual = dict(region.kinds)
         if binds is not None:
-            for _, sid, _ in binds:
+            for _, sid in binds:
                 actual[sid] = WRITE
         table = self.table
         for leaf in leaves:
@@ -458,6 +517,8 @@ class ReplayExecutor(ExecutorBase):
         self.program = alt
         self._n = alt.num_ops
         self._limit = _limit(self.budget_bytes, alt.planned_resident)
+        if self.relieved:
+            self.start_online()
 
     def _diverge_after(self, i: int, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                        leaves: list[Any], why: str) -> None:

@@ -3,11 +3,18 @@
 Replay binds every activation the trace saw (to check each op's inputs are the storages
 the plan expects) but acts only on the storages the schedule moves: only those get a
 residency entry, actions and page-in checks.
+
+A program has two parts. The *structure* (op keys, which storage each input is, which
+outputs are new storages, output dtypes and ranks) is what replay checks; it does not
+depend on sizes, so steps with another sequence length or batch size follow the same
+structure. The *schedule* part (actions, moved storages, planned resident bytes) is
+planned for one set of sizes; programs for other sizes share the structure's tuples.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -18,7 +25,7 @@ from hyperpar.offload.ir import ResidencyActionType as A
 D2H, RELEASE, RELEASE_FINAL, H2D, RELEASE_HOST = range(5)
 
 Actions = tuple[tuple[int, int], ...] | None
-LeafCheck = tuple[tuple[int, ...], torch.dtype] | None
+LeafCheck = tuple[int, torch.dtype] | None  # (ndim, dtype) of a tensor leaf
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -28,32 +35,46 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def size_bucket(nbytes: int) -> int:
+    """Sizes within about 19 % of each other share a bucket (four buckets per doubling)."""
+    return round(4 * math.log2(max(nbytes, 1)))
+
+
 @dataclass(frozen=True)
 class ReplayProgram:
+    # --- the structure (shared by the programs of one structure) ---
     keys: tuple[Any, ...]  # OpOverload (compared by identity) or an opaque region's name
     names: tuple[str, ...]
-    pre: tuple[Actions, ...]
-    post: tuple[Actions, ...]
     in_sids: tuple[tuple[int, ...] | None, ...]  # per tensor input: sid, or NOT_ACTIVATION/NO_STORAGE
-    in_moved: tuple[tuple[int, ...] | None, ...]  # moved sids the op reads or writes
-    binds: tuple[tuple[tuple[int, int, bool], ...] | None, ...]  # (leaf, sid, moved) of new storages
-    writes: tuple[tuple[int, ...] | None, ...]  # moved sids each op writes
+    binds: tuple[tuple[tuple[int, int], ...] | None, ...]  # (leaf, sid) of the new storages
     region_accesses: tuple[dict[int, AccessKind] | None, ...]  # opaque ops: every sid they touch
     meta: tuple[tuple[LeafCheck, ...], ...]
-    planned_resident: tuple[int, ...]  # the schedule's resident bytes per op (simulated)
     prefix: tuple[int, ...]  # prefix[i]: a hash of ops 0..i as replay checks them
-    moved: frozenset[int]
     pinned: frozenset[int]
     num_sids: int
+    # --- the schedule, for one set of sizes ---
+    pre: tuple[Actions, ...]
+    post: tuple[Actions, ...]
+    in_moved: tuple[tuple[int, ...] | None, ...]  # moved sids the op reads or writes
+    writes: tuple[tuple[int, ...] | None, ...]  # moved sids each op writes
+    planned_resident: tuple[int, ...]  # the schedule's resident bytes per op (simulated)
+    moved: frozenset[int]
+    bucket: int  # size_bucket of the first activation's size this program was planned for
     trace: ActivationTrace  # a diverged replay takes its ops before the divergence from here
 
     @property
     def num_ops(self) -> int:
         return len(self.keys)
 
+    @property
+    def structure(self) -> int:
+        return self.prefix[-1] if self.prefix else 0
+
     @classmethod
     def build(cls, trace: ActivationTrace, schedule: ResidencySchedule, keys: list[Any],
-              planned_resident: list[int] | None = None) -> ReplayProgram:
+              planned_resident: list[int] | None = None,
+              structure: ReplayProgram | None = None) -> ReplayProgram:
+        """``structure``: a program of the same structure whose structure tuples to share."""
         n = trace.num_ops
         if schedule.num_ops != n or len(trace.guides) != n or len(keys) != n:
             raise ValueError(
@@ -84,42 +105,48 @@ class ReplayProgram:
                     out.append((RELEASE_FINAL if final else RELEASE, sid))
             return tuple(out) or None
 
-        in_sids, in_moved, binds, writes, regions, meta = [], [], [], [], [], []
-        for op, guide, key in zip(trace.ops, trace.guides, keys, strict=True):
-            opaque = isinstance(key, str)
-            in_sids.append(None if opaque else tuple(guide.input_sids))
+        in_moved, writes = [], []
+        for op in trace.ops:
             touched = tuple(a.storage_id for a in op.accesses if a.storage_id in moved)
             in_moved.append(touched or None)
-            b = tuple((leaf, sid, sid in moved) for leaf, sid in sorted(guide.output_bindings.items()))
-            binds.append(b or None)
             w = tuple(a.storage_id for a in op.accesses
                       if a.kind is AccessKind.WRITE and a.storage_id in moved)
             writes.append(w or None)
-            regions.append({a.storage_id: a.kind for a in op.accesses} if opaque else None)
-            meta.append(tuple(None if m is None else (tuple(m[0]), _dtype(m[1])) for m in guide.output_meta))
         if planned_resident is None:
             planned_resident = trace.resident_bytes_without_offload()
-        prefix, h = [], 0
-        for i in range(n):
-            region = regions[i]
-            h = hash((h, keys[i], in_sids[i], tuple((leaf, sid) for leaf, sid, _ in binds[i] or ()),
-                      meta[i], None if region is None else tuple(sorted(region.items()))))
-            prefix.append(h)
-        return cls(
-            keys=tuple(keys),
-            names=tuple(op.name for op in trace.ops),
+        base = structure if structure is not None else _structure(trace, keys)
+        return replace(
+            base,
             pre=tuple(compile_actions(a, i, False) for i, a in enumerate(schedule.pre)),
             post=tuple(compile_actions(a, i, True) for i, a in enumerate(schedule.post)),
-            in_sids=tuple(in_sids),
             in_moved=tuple(in_moved),
-            binds=tuple(binds),
             writes=tuple(writes),
-            region_accesses=tuple(regions),
-            meta=tuple(meta),
             planned_resident=tuple(planned_resident),
-            prefix=tuple(prefix),
             moved=moved,
-            pinned=trace.pinned_sids,
-            num_sids=max(trace.storage_sizes, default=-1) + 1,
+            bucket=size_bucket(trace.storage_sizes.get(0, 0)),
             trace=trace,
         )
+
+
+def _structure(trace: ActivationTrace, keys: list[Any]) -> ReplayProgram:
+    in_sids, binds, regions, meta, prefix = [], [], [], [], []
+    h = 0
+    for op, guide, key in zip(trace.ops, trace.guides, keys, strict=True):
+        opaque = isinstance(key, str)
+        ins = None if opaque else tuple(guide.input_sids)
+        b = tuple(sorted(guide.output_bindings.items())) or None
+        region = {a.storage_id: a.kind for a in op.accesses} if opaque else None
+        m = tuple(None if lm is None else (len(lm[0]), _dtype(lm[1])) for lm in guide.output_meta)
+        h = hash((h, key, ins, b, m, None if region is None else tuple(sorted(region.items()))))
+        in_sids.append(ins)
+        binds.append(b)
+        regions.append(region)
+        meta.append(m)
+        prefix.append(h)
+    return ReplayProgram(
+        keys=tuple(keys), names=tuple(op.name for op in trace.ops), in_sids=tuple(in_sids),
+        binds=tuple(binds), region_accesses=tuple(regions), meta=tuple(meta), prefix=tuple(prefix),
+        pinned=trace.pinned_sids, num_sids=max(trace.storage_sizes, default=-1) + 1,
+        pre=(), post=(), in_moved=(), writes=(), planned_resident=(), moved=frozenset(), bucket=0,
+        trace=trace,
+    )
