@@ -15,29 +15,37 @@ because the weak reference must still point at the very object.
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import torch
 
 
 class ActivationTable:
-    __slots__ = ("_ref_sid", "death", "live_bytes", "nbytes", "now", "pinned", "producer", "refs", "sid_of")
+    __slots__ = ("_clock", "_dead_cb", "_ref_sid", "death", "ids", "live_bytes", "nbytes", "pinned",
+                 "producer", "refs", "sid_of")
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Any = None) -> None:
+        """``clock``: an object whose ``index`` is one past the op running now (the executor)."""
+        self._clock = None if clock is None else weakref.ref(clock)
         self.refs: list[weakref.ref | None] = []
+        # id() of each sid's storage while it lives, else 0: an id seen here is that very
+        # storage (the death callback clears it, and two live objects never share an id).
+        self.ids: list[int] = []
         self.nbytes: list[int] = []
         self.producer: list[int] = []
         self.sid_of: dict[int, int] = {}  # id(storage) -> sid; checked against refs
         self._ref_sid: dict[int, int] = {}  # id(weak ref) -> sid, for the death callback
         self.live_bytes = 0  # bytes of bound storages still alive (on the device or not)
         self.pinned: set[int] = set()  # sids that must never leave the device this step
-        self.now = 0  # the op running now (the executor keeps it current)
         self.death: dict[int, int] = {}  # sid -> the op during which its storage died
+        self._dead_cb = self._dead
 
     def reserve(self, num_sids: int) -> None:
         """Room for sids ``0 .. num_sids-1`` (replay knows them from the plan)."""
         missing = num_sids - len(self.refs)
         if missing > 0:
             self.refs.extend([None] * missing)
+            self.ids.extend([0] * missing)
             self.nbytes.extend([0] * missing)
             self.producer.extend([-1] * missing)
 
@@ -50,24 +58,26 @@ class ActivationTable:
         return len(self.refs) - 1
 
     def bind(self, sid: int, storage: torch.UntypedStorage, producer: int) -> None:
-        ref = weakref.ref(storage, self._dead)
+        ref = weakref.ref(storage, self._dead_cb)
         self._ref_sid[id(ref)] = sid
-        old = self.refs[sid]
-        if old is not None and self._ref_sid.pop(id(old), None) is not None:
-            self.live_bytes -= self.nbytes[sid]  # rebound while the old one lives
+        if self.ids[sid]:  # rebound while the old one lives: it is not ours any more
+            old = self.refs[sid]
+            if old is not None and self._ref_sid.pop(id(old), None) is not None:
+                self.live_bytes -= self.nbytes[sid]
         self.refs[sid] = ref
-        self.sid_of[id(storage)] = sid
+        key = id(storage)
+        self.ids[sid] = key
+        self.sid_of[key] = sid
         nbytes = storage.nbytes()
         self.nbytes[sid] = nbytes
         self.producer[sid] = producer
         self.live_bytes += nbytes
 
     def lookup(self, storage: torch.UntypedStorage) -> int | None:
-        sid = self.sid_of.get(id(storage))
-        if sid is not None:
-            ref = self.refs[sid]
-            if ref is not None and ref() is storage:
-                return sid
+        key = id(storage)
+        sid = self.sid_of.get(key)
+        if sid is not None and self.ids[sid] == key:
+            return sid
         return None
 
     def storage(self, sid: int) -> torch.UntypedStorage | None:
@@ -76,16 +86,19 @@ class ActivationTable:
 
     def resize(self, sid: int, nbytes: int) -> None:
         """An op with ``out=`` (or ``resize_``) changed a bound storage's size."""
-        if self.refs[sid] is not None and id(self.refs[sid]) in self._ref_sid:
+        if self.ids[sid]:
             self.live_bytes += nbytes - self.nbytes[sid]
         self.nbytes[sid] = nbytes
 
     def alive(self) -> list[int]:
         """Sids whose storage is still alive."""
-        return [sid for sid, ref in enumerate(self.refs) if ref is not None and ref() is not None]
+        return [sid for sid, key in enumerate(self.ids) if key]
 
     def _dead(self, ref: weakref.ref) -> None:
         sid = self._ref_sid.pop(id(ref), None)
         if sid is not None:
             self.live_bytes -= self.nbytes[sid]
-            self.death[sid] = self.now
+            clock = self._clock() if self._clock is not None else None
+            self.death[sid] = clock.index - 1 if clock is not None else -1
+            if self.refs[sid] is ref:
+                self.ids[sid] = 0

@@ -15,9 +15,15 @@ class OffloadDispatchMode(TorchDispatchMode):
         self.executor = executor
         self.session = session
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """Dynamo never compiles while this mode is active (it is not an infra mode), so the
+        per-op wrapper that would keep it out of our dispatch code only costs time."""
+        return False
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
-        return self.executor.dispatch(func, args, kwargs or {})
+        return self.executor.dispatch(func, types, args, kwargs)
 
 
 def current_offload_mode() -> OffloadDispatchMode | None:

@@ -84,7 +84,7 @@ class ExecutorBase:
         self.manager = manager
         self.device = device
         self.budget_bytes = budget_bytes
-        self.table = ActivationTable()
+        self.table = ActivationTable(self)
         self.opaque_depth = 0  # > 0 inside skip_offload: ops run untraced
         self.passthrough = 0  # > 0 while our own copies run: ops run untouched
         self.closed = False
@@ -112,7 +112,11 @@ class ExecutorBase:
         self._current = "-"
 
     # --- entry point ----------------------------------------------------------------
-    def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def dispatch(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                 kwargs: dict[str, Any] | None = None) -> Any:
+        """The dispatch mode's ``__torch_dispatch__``."""
+        if kwargs is None:
+            kwargs = {}
         if self.passthrough:
             return func(*args, **kwargs)
         if self.opaque_depth:
@@ -200,7 +204,6 @@ class ExecutorBase:
         return self._start(OpState(self.index, key, name, kinds, in_ids, in_sids, pin, in_bytes))
 
     def _start(self, state: OpState) -> OpState:
-        self.table.now = self.index
         self.index += 1
         self._current = state.name
         if self.timer is not None:  # events on an accelerator, read once at the end of the step

@@ -74,6 +74,13 @@ def _describe(leaves: list[Any] | tuple[Any, ...]) -> str:
     return "[" + ", ".join(parts) + "]"
 
 
+def _has_tensors(kwargs: dict[str, Any]) -> bool:
+    for v in kwargs.values():
+        if isinstance(v, Tensor) or (type(v) in (list, tuple) and v and not isinstance(v[0], (int, float))):
+            return True
+    return False
+
+
 class _Region:
     """A plan-following opaque region: the sids its inner ops touched."""
 
@@ -117,14 +124,52 @@ class ReplayExecutor(ExecutorBase):
                 return self.run_op(func, args, kwargs)
             self._diverge(i, op_name(func), "another op")
             return self.online_op(func, args, kwargs)
-        ins = tensor_inputs(args, kwargs)
-        if not self._inputs_match(ins, p.in_sids[i]):  # type: ignore[arg-type]
+        # Each tensor input must be the very storage the plan expects (a list in the args or
+        # a tensor keyword argument takes the general path).
+        expected = p.in_sids[i]
+        table = self.table
+        ids, sid_of = table.ids, table.sid_of
+        k, n_expected, ok = 0, len(expected), True  # type: ignore[arg-type]
+        for a in args:
+            if isinstance(a, Tensor):
+                if k == n_expected:
+                    ok = False
+                    break
+                sid = expected[k]  # type: ignore[index]
+                k += 1
+                try:
+                    key = id(a.untyped_storage())
+                except (RuntimeError, NotImplementedError):
+                    if sid != NO_STORAGE:
+                        ok = False
+                        break
+                    continue
+                if sid >= 0:
+                    if ids[sid] != key:
+                        ok = False
+                        break
+                elif sid == NOT_ACTIVATION:
+                    other = sid_of.get(key)
+                    if other is not None and ids[other] == key:
+                        ok = False
+                        break
+                else:
+                    ok = False
+                    break
+            elif (type(a) is list or type(a) is tuple) and a and not isinstance(a[0], (int, float)):
+                k = -1  # a tensor list (cat, collectives): the general path
+                break
+        if k == -1 or (kwargs and _has_tensors(kwargs)):
+            ok = self._inputs_match(tensor_inputs(args, kwargs), expected)  # type: ignore[arg-type]
+        elif k != n_expected:
+            ok = False
+        if not ok:
+            ins = tensor_inputs(args, kwargs)
             if self._switch(i, func, ins, None, None):
                 return self.run_op(func, args, kwargs)
             self._diverge(i, op_name(func), "its inputs are other storages than the plan's")
             return self.online_op(func, args, kwargs)
         self.index = i + 1
-        self.table.now = i
         pre = p.pre[i]
         if pre is not None:
             self._act(pre)
@@ -135,7 +180,7 @@ class ReplayExecutor(ExecutorBase):
         if moved is not None:
             self._bring_moved(moved, p.writes[i])
         if self.relieved:
-            self._bring_any(func, ins, args, kwargs)
+            self._bring_any(func, tensor_inputs(args, kwargs), args, kwargs)
         timer = self.timer
         if timer is None:
             out = func(*args, **kwargs)
@@ -148,40 +193,71 @@ class ReplayExecutor(ExecutorBase):
             m0 = meta[0] if len(meta) == 1 else None
             leaves = None
             if (m0 is None or out.dtype is not m0[1] or out.dim() != m0[0]) and not self._switch(
-                    i, func, ins, out, None):
+                    i, func, tensor_inputs(args, kwargs), out, None):
                 self._diverge_after(i, func, args, kwargs, [out], "other output dtypes or ranks")
                 return out
         else:
             leaves = output_leaves(out)
-            if not self._meta_matches(meta, leaves) and not self._switch(i, func, ins, None, leaves):
+            if not self._meta_matches(meta, leaves) and not self._switch(
+                    i, func, tensor_inputs(args, kwargs), None, leaves):
                 self._diverge_after(i, func, args, kwargs, leaves, "other output dtypes or ranks")
                 return out
-        p = self.program
+            p = self.program
         binds = p.binds[i]
-        if binds is not None and not self._bind(i, binds, out, leaves):
-            self._diverge_after(i, func, args, kwargs, leaves or [out], "an output is not a new storage")
-            return out
-        self._after(i)
+        if binds is not None:
+            if len(binds) == 1 and leaves is None and not self.relieved and self.first_size >= 0:
+                # the common case: one new storage, nothing else to do for it
+                sid = binds[0][1]
+                try:
+                    st = out.untyped_storage()
+                    key = id(st)
+                    other = sid_of.get(key)
+                    fresh = other is None or ids[other] != key
+                except (RuntimeError, NotImplementedError):
+                    fresh = False
+                if not fresh:
+                    self._diverge_after(i, func, args, kwargs, [out], "an output is not a new storage")
+                    return out
+                table.bind(sid, st, i)
+                if sid in p.moved:
+                    m.bind(sid, st, i)
+            elif not self._bind(i, binds, out, leaves):
+                self._diverge_after(i, func, args, kwargs, leaves or [out], "an output is not a new storage")
+                return out
+        writes = p.writes[i]
+        if writes is not None:
+            entries = m.entries
+            for sid in writes:
+                entry = entries.get(sid)
+                if entry is not None:
+                    m.mark_written(entry)
+        resident = table.live_bytes - m.away_bytes
+        if resident > self.peak_bytes:
+            self.peak_bytes, self.peak_op = resident, i
+        post = p.post[i]
+        if post is not None:
+            self._act(post)
+        if resident > self._limit:
+            self._relieve(i)
         return out
 
     def _inputs_match(self, ins: list[Tensor], expected: tuple[int, ...]) -> bool:
         if len(ins) != len(expected):
             return False
-        refs, sid_of = self.table.refs, self.table.sid_of
+        ids, sid_of = self.table.ids, self.table.sid_of
         for t, sid in zip(ins, expected, strict=True):
             try:
-                st = t.untyped_storage()
+                key = id(t.untyped_storage())
             except (RuntimeError, NotImplementedError):
                 if sid != NO_STORAGE:
                     return False
                 continue
             if sid >= 0:
-                ref = refs[sid]
-                if ref is None or ref() is not st:
+                if ids[sid] != key:
                     return False
             elif sid == NOT_ACTIVATION:
-                other = sid_of.get(id(st))
-                if other is not None and refs[other]() is st:  # type: ignore[misc]
+                other = sid_of.get(key)
+                if other is not None and ids[other] == key:
                     return False
             else:
                 return False
@@ -207,15 +283,16 @@ class ReplayExecutor(ExecutorBase):
     def _bind(self, i: int, binds: tuple[tuple[int, int], ...], out: Any,
               leaves: list[Any] | None) -> bool:
         table, m = self.table, self.manager
-        refs, sid_of = table.refs, table.sid_of
+        ids, sid_of = table.ids, table.sid_of
         for leaf_index, sid in binds:
             leaf = out if leaves is None else leaves[leaf_index]
             try:
                 st = leaf.untyped_storage()
             except (RuntimeError, NotImplementedError):
                 return False
-            other = sid_of.get(id(st))
-            if other is not None and refs[other]() is st:  # type: ignore[misc]
+            key = id(st)
+            other = sid_of.get(key)
+            if other is not None and ids[other] == key:
                 return False
             table.bind(sid, st, i)
             if sid == 0 and self.first_size < 0:
@@ -345,7 +422,6 @@ class ReplayExecutor(ExecutorBase):
             return self.online_begin_opaque(name, reads)
         p = self.program
         self.index = i + 1
-        self.table.now = i
         pre = p.pre[i]
         if pre is not None:
             self._act(pre)
@@ -469,7 +545,6 @@ class ReplayExecutor(ExecutorBase):
         self.online = True
         self.recording = True
         self.index = i
-        self.table.now = i
         t = p.trace
         self.ops, self.guides, self.keys = list(t.ops[:i]), list(t.guides[:i]), list(p.keys[:i])
         self._first_online = i
