@@ -59,8 +59,8 @@ def _inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 Call = Callable[[MoeExperts, torch.Tensor, torch.Tensor, torch.Tensor], Any]
 FORWARD_CASES: list[tuple[str, Call, type[Exception], str]] = [
-    ("hidden not a tensor", lambda m, h, i, w: m(h.tolist(), i, w), TypeError,
-     "MoeExperts: x must be a torch.Tensor, got list"),
+    ("hidden not a tensor", lambda m, h, i, w: m(h.tolist(), i, w), ValueError,
+     "MoeExperts: hidden_states must be a torch.Tensor, got list"),
     ("hidden width", lambda m, h, i, w: m(h[:, :15], i, w), ValueError,
      "hidden_states must end in hidden_size=16, got shape [6, 15]"),
     ("hidden dtype", lambda m, h, i, w: m(h.double(), i, w), ValueError,
@@ -117,10 +117,9 @@ def test_forward_rejects_bad_arguments_and_recovers(name: str, call: Call, error
 
 
 EXTERNAL_CASES: list[tuple[str, Any, type[Exception], str]] = [
-    ("missing", None, TypeError,
-     "create_parameters=False needs expert_weights=(gate_up_weight, down_weight), "
-                                 "got NoneType"),
-    ("one tensor", (torch.zeros(4, 16, 16),), TypeError,
+    ("missing", None, ValueError,
+     "create_parameters=False needs expert_weights=(gate_up_weight, down_weight), got NoneType"),
+    ("one tensor", (torch.zeros(4, 16, 16),), ValueError,
      "needs expert_weights=(gate_up_weight, down_weight)"),
     ("gate_up shape", (torch.zeros(4, 16, 8), torch.zeros(4, 8, 16)), ValueError,
      "gate_up_weight must have shape [4, 16, 16], got [4, 16, 8]"),
