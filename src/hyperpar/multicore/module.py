@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import torch
@@ -160,16 +160,21 @@ class MulticoreModule(torch.nn.Module):
         collectively (call in the same order on every rank). Idempotent; after a failure the
         module keeps its membership and ``close()`` can be retried (a failed runtime release
         is retried by any later ``close()``)."""
+        if self._resource_token is None:
+            MANAGER.retry_failed_release()
+        self._leave(MANAGER.close_member)
+
+    def _release_locally(self, reason: str) -> None:
+        """Leave without communicating (teardown after a failure); see ``closing``."""
+        self._leave(lambda token: MANAGER.release_member_locally(token, reason))
+
+    def _leave(self, how: Callable[[MemberToken], None]) -> None:
         token = self._resource_token
         if token is None:
-            MANAGER.retry_failed_release()
             return
         if token.group is not None and token.group.bound:
             self._resource_was_bound = True
-        MANAGER.close_member(token)
-        self._left()
-
-    def _left(self) -> None:
+        how(token)  # may raise (a failed collective close): the module then stays a member
         self._resource_token = None
         self._resource_finalizer.detach()
         self._forget_communication()
@@ -178,16 +183,6 @@ class MulticoreModule(torch.nn.Module):
         """Drop this module's references to process groups and communication objects once it has
         left its group: a process group still referenced after ``destroy_process_group`` is
         freed at interpreter teardown, which can abort the process."""
-
-    def _release_locally(self, reason: str) -> None:
-        """Leave without communicating (teardown after a failure); see ``closing``."""
-        token = self._resource_token
-        if token is None:
-            return
-        if token.group is not None and token.group.bound:
-            self._resource_was_bound = True
-        MANAGER.release_member_locally(token, reason)
-        self._left()
 
     @classmethod
     def share_execution_resources(cls, modules: Iterable[MulticoreModule]) -> None:
@@ -226,15 +221,11 @@ class MulticoreModule(torch.nn.Module):
             return  # exactly these members already share one group: nothing to do
         first = members[0]
         for index, module in enumerate(members[1:], start=1):
-            if module.resource_compatibility_key != first.resource_compatibility_key:
-                raise ValueError(
-                    "share_execution_resources: different resource_compatibility_key: modules[0] has "
-                    f"{first.resource_compatibility_key!r}, modules[{index}] has "
-                    f"{module.resource_compatibility_key!r}")
-            if module.resource_scope_key != first.resource_scope_key:
-                raise ValueError(
-                    "share_execution_resources: different resource_scope_key: modules[0] has "
-                    f"{first.resource_scope_key!r}, modules[{index}] has {module.resource_scope_key!r}")
+            for key in ("resource_compatibility_key", "resource_scope_key"):
+                mine, theirs = getattr(module, key), getattr(first, key)
+                if mine != theirs:
+                    raise ValueError(f"share_execution_resources: different {key}: modules[0] has "
+                                     f"{theirs!r}, modules[{index}] has {mine!r}")
         for index, group in enumerate(groups):
             if group.bound:
                 raise RuntimeError(f"share_execution_resources: modules[{index}] already ran "
