@@ -7,7 +7,7 @@ import torch
 
 from hyperpar.multicore import CollectiveError, MulticoreModule
 from hyperpar.multicore.manager import ResourceManager
-from tests.multicore.fakes import FakeModule, OtherFakeModule
+from tests.multicore.fakes import FakeModule, OtherFakeModule, ReleasingModule
 
 
 def test_binds_lazily_to_the_first_input(manager: ResourceManager) -> None:
@@ -184,7 +184,7 @@ def test_busy_resources_are_not_closed(manager: ResourceManager) -> None:
     module(torch.ones(1))
     resources = module.created[0]
     resources.busy = True
-    with pytest.raises(CollectiveError, match="binding id 1 is not ready to close on rank 0"):
+    with pytest.raises(CollectiveError, match=r"not ready to close on rank 0 \(binding id\(s\) \[1\]\)"):
         module.close()
     assert resources.close_calls == 0
     module(torch.ones(1))  # still usable: not closing
@@ -351,6 +351,53 @@ def test_close_groups_checks_readiness_before_closing_anything(manager: Resource
     a(torch.ones(1))
     b(torch.ones(1))
     b.created[0].busy = True
-    with pytest.raises(CollectiveError, match=r"not ready to close .*rank 0: binding id\(s\) \[2\]"):
+    with pytest.raises(CollectiveError, match=r"not ready to close on rank 0 \(binding id\(s\) \[2\]\)"):
         manager.close_groups([a._resource_group, b._resource_group])
     assert a.created[0].close_calls == 0 and b.created[0].close_calls == 0
+
+
+# ----- seed parity (issue 14) -----------------------------------------------------------------
+def test_active_specifications_cover_every_live_member_of_the_scope(manager: ResourceManager) -> None:
+    a, b = FakeModule(2, scope="s"), FakeModule(6, scope="s")
+    FakeModule.share_execution_resources([a, b])
+    c, closed = FakeModule(4, scope="s"), FakeModule(50, scope="s")
+    closed.close()
+    OtherFakeModule(70, scope="s")  # another type: its own arena
+    FakeModule(90, scope="t")  # another scope
+    c(torch.ones(1))
+    assert c.create_calls[0]["specs"] == (2, 6, 4)  # creation order, bound or not, shared or not
+
+
+def test_sharing_the_same_members_again_is_a_no_op(manager: ResourceManager) -> None:
+    a, b = FakeModule(), FakeModule()
+    FakeModule.share_execution_resources([a, b])
+    group = a._resource_group
+    FakeModule.share_execution_resources([b, a])
+    a(torch.ones(1))
+    FakeModule.share_execution_resources((a, b))  # after binding too
+    assert a._resource_group is group is b._resource_group and group.binding_id == 1
+    with pytest.raises(RuntimeError, match="already ran"):
+        FakeModule.share_execution_resources([a])  # a subset is not the same members
+
+
+def test_close_groups_without_an_argument_closes_everything(manager: ResourceManager) -> None:
+    modules = [FakeModule(1), FakeModule(2, local=True), FakeModule(3, scope="s")]
+    for module in modules:
+        module(torch.ones(1))
+    manager.close_groups()
+    assert manager.bound_groups() == [] and manager.runtime_releases == 1
+    assert all(m.created[0].closed and m.execution_resources_closed for m in modules)
+
+
+def test_runtime_release_failure_is_raised_and_retried_by_a_later_close(manager: ResourceManager) -> None:
+    ReleasingModule.releases, ReleasingModule.fail_on = 0, {0}
+    module = ReleasingModule(1)
+    module(torch.ones(1))
+    with pytest.raises(CollectiveError, match=r"stage 'multicore runtime release' failed on 1 rank.*"
+                                              r"OSError: native runtime teardown failed"):
+        module.close()
+    assert module.execution_resources_closed and manager.runtime_releases == 0
+    module.close()  # the retry
+    assert ReleasingModule.releases == 2 and manager.runtime_releases == 1
+    module.close()
+    assert ReleasingModule.releases == 2  # nothing pending: no release

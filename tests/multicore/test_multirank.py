@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hyperpar.multicore import CollectiveError, exchange
-from tests.multicore.fakes import FakeModule
+from hyperpar.multicore import MANAGER, CollectiveError, MoeExperts, close_groups, exchange
+from tests.multicore.fakes import FakeModule, ReleasingModule
 from tests.rank_harness import run_ranks
 
 TIMEOUT = 60.0
@@ -69,16 +69,19 @@ def _lifecycle_body(rank: int, world: int) -> dict[str, Any]:
     out["skew_open_after_close"] = not skew_res.closed
     keep.clear()
     gc.collect()
-    # destroy_process_group(subgroup) closes only the groups that depend on that subgroup
+    # destroy_process_group(subgroup) is torch's own and closes nothing; a close() after it runs
+    # on this rank alone (its root is gone), and touches nothing else
     sub = dist.new_group(list(range(world)))
     h = FakeModule(9, root=sub)
     h(x)
     sub_res, e_res = h.created[0], e.created[0]
     dist.destroy_process_group(sub)
+    out["sub_open_after_destroy"] = not sub_res.closed
+    h.close()
     out["sub_closed"] = sub_res.closed and h.execution_resources_closed
     out["world_open_after_sub"] = not e_res.closed and not shared_res.closed
-    # destroy_process_group() without close() runs the cleanup for everything left
-    dist.destroy_process_group()
+    # close_groups() without an argument closes everything left, orphans included, collectively
+    close_groups()
     out["world_closed"] = (e_res.closed, shared_res.closed, skew_res.closed, a.execution_resources_closed)
     return out
 
@@ -98,7 +101,7 @@ def test_lifecycle_on_real_ranks(world: int) -> None:
         assert out["closing_after_failure"]
         assert out["retry_closed"] == (True, True, 2)  # close() is called again on every rank
         assert out["skew_open_after_close"] == (world > 1)
-        assert out["sub_closed"] and out["world_open_after_sub"]
+        assert out["sub_open_after_destroy"] and out["sub_closed"] and out["world_open_after_sub"]
         assert out["world_closed"] == (True, True, True, True)
     assert len({out["close_error"] for out in results.values()}) == 1  # the same error everywhere
 
@@ -186,3 +189,72 @@ def test_uncaught_disagreement_fails_every_rank_and_leaves_no_process() -> None:
         assert "binding order or specifications differ across ranks" in text
         assert f"rank {world - 1} has" in text
     assert multiprocessing.active_children() == []
+
+
+def _seed_parity_body(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    x = torch.ones(1)
+    # active_specifications: every live member of the type and scope key, shared or not, bound or not
+    p, q = FakeModule(3, scope="s"), FakeModule(5, scope="s")
+    FakeModule.share_execution_resources([p, q])
+    r = FakeModule(9, scope="s")
+    FakeModule(100, scope="elsewhere")  # another scope: not counted (and collected at once)
+    r(x)
+    p(x)
+    out["specs"] = (r.create_calls[0]["specs"], p.create_calls[0]["specs"])
+    # sharing the same members again is a no-op, even after binding; other members still raise
+    FakeModule.share_execution_resources([q, p])
+    out["reshare"] = (p._resource_group is q._resource_group, p.binding_id, q.binding_id)
+    out["reshare_other"] = _catch(lambda: FakeModule.share_execution_resources([p, r]))
+    # lifecycle collectives run over the root group only: rank 2 stays out of the pair's steps
+    pair = dist.new_group([0, 1])
+    if rank < 2:
+        pm = FakeModule(4, root=pair)
+        pm(x)
+        pm.close()
+        out["pair"] = pm.execution_resources_closed
+    else:  # outside the pair: new_group gave this rank GroupMember.NON_GROUP_MEMBER
+        out["pair"] = _catch(lambda: MoeExperts(local_num_tokens=4, hidden_size=8, intermediate_size=4,
+                                                num_experts=2, top_k=1, ep_size=2, ep_group=pair))
+    # close_groups() with no argument closes every group: the world's, a subgroup's, this rank's own
+    sub = dist.new_group(list(range(world)))
+    in_sub, own = FakeModule(7, root=sub), FakeModule(11, local=True)
+    in_sub(x)
+    own(x)
+    releases_before = MANAGER.runtime_releases
+    close_groups()
+    out["all_closed"] = (all(m.execution_resources_closed for m in (p, q, r, in_sub, own)),
+                         MANAGER.bound_groups(), MANAGER.runtime_releases - releases_before)
+    # the runtime release is an agreed stage with a subclass hook: failing on one rank it raises on
+    # every rank, and a later close() retries it
+    ReleasingModule.fail_on = {world - 1}
+    m = ReleasingModule(2)
+    m(x)
+    out["release_error"] = _catch(m.close)
+    out["release_state"] = (m.execution_resources_closed, ReleasingModule.releases)
+    m.close()
+    out["release_retry"] = (ReleasingModule.releases, MANAGER.runtime_releases - releases_before)
+    m.close()  # nothing pending: a local no-op
+    out["in_step"] = tuple(exchange(rank))
+    return out
+
+
+def test_seed_parity_on_three_ranks() -> None:
+    results = run_ranks(_seed_parity_body, 3, timeout=TIMEOUT)
+    for key in ("reshare_other", "release_error"):
+        assert len({out[key] for out in results.values()}) == 1, (key, results)
+    for rank, out in results.items():
+        assert out["specs"] == ((3, 5, 9), (3, 5, 9)), rank
+        assert out["reshare"] == (True, 2, 2), rank
+        assert "modules[0] already ran (bound as binding id 2)" in out["reshare_other"][2]
+        assert out["all_closed"] == (True, [], 1), rank  # one runtime release, after the last group
+        assert out["release_state"] == (True, 1), rank
+        assert out["release_retry"] == (2, 2), rank
+        assert out["in_step"] == (0, 1, 2)
+    assert results[0]["pair"] is True and results[1]["pair"] is True
+    assert results[2]["pair"][0] == "ValueError"
+    assert "this rank (global rank 2) is not a member of ep_group" in results[2]["pair"][2]
+    error = results[0]["release_error"]
+    assert error[0] == "CollectiveError"
+    assert ("stage 'multicore runtime release' failed on 1 rank(s): rank 2: OSError: native runtime "
+            "teardown failed") in error[2]

@@ -73,17 +73,19 @@ def recoverable_faults_body(rank: int, world: int, bad: int) -> dict[str, Any]:
     c.close()
     out["close_retry"] = (c.execution_resources_closed, c.created[0].closed)
 
-    # 4. the runtime release callback raises on one rank: logged there, nobody hangs or diverges
+    # 4. the runtime release callback raises once on one rank: every rank raises, a retry releases
     calls: list[int] = []
+    fail_once = [mine]
 
     def release() -> None:
         calls.append(1)
-        if mine:
+        if fail_once.pop() if fail_once else False:
             raise RuntimeError("runtime teardown failed")
 
     register_runtime_release(release)
     r1 = FakeModule(2)
     r1(x)
+    out["release"] = _catch(r1.close)
     r1.close()
     r2 = FakeModule(2)
     r2(x)
@@ -106,7 +108,9 @@ def _timed(fn: Callable[[], Any]) -> None:
         fn()
     except Exception as exc:
         elapsed = time.monotonic() - start
-        raise RuntimeError(f"raised after {elapsed:.1f}s: {type(exc).__name__}: {exc}") from exc
+        cause = type(exc.__cause__).__name__
+        raise RuntimeError(f"raised after {elapsed:.1f}s (cause {cause}): {type(exc).__name__}: {exc}") \
+            from exc
     raise AssertionError("a peer left, yet this rank's collective step succeeded")
 
 

@@ -59,8 +59,8 @@ def _inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 Call = Callable[[MoeExperts, torch.Tensor, torch.Tensor, torch.Tensor], Any]
 FORWARD_CASES: list[tuple[str, Call, type[Exception], str]] = [
-    ("hidden not a tensor", lambda m, h, i, w: m(h.tolist(), i, w), TypeError,
-     "MoeExperts: x must be a torch.Tensor, got list"),
+    ("hidden not a tensor", lambda m, h, i, w: m(h.tolist(), i, w), ValueError,
+     "MoeExperts: hidden_states must be a torch.Tensor, got list"),
     ("hidden width", lambda m, h, i, w: m(h[:, :15], i, w), ValueError,
      "hidden_states must end in hidden_size=16, got shape [6, 15]"),
     ("hidden dtype", lambda m, h, i, w: m(h.double(), i, w), ValueError,
@@ -88,6 +88,9 @@ FORWARD_CASES: list[tuple[str, Call, type[Exception], str]] = [
      ValueError, "tokens_per_expert=[12] does not match"),
     ("tokens_per_expert list", lambda m, h, i, w: m(h, i, w, tokens_per_expert=[3, 3, 3, 3]), ValueError,
      "tokens_per_expert must be None or a tensor, got list"),
+    ("tokens_per_expert float", lambda m, h, i, w: m(h, i, w, tokens_per_expert=torch.bincount(
+        i.flatten(), minlength=E).float() + 0.25), ValueError,
+     "tokens_per_expert must be an integer tensor (counts), got dtype=torch.float32"),
     ("expert_weights given", lambda m, h, i, w: m(h, i, w, expert_weights=(m.gate_up_weight, m.down_weight)),
      ValueError, "expert_weights must be None when create_parameters=True"),
 ]
@@ -117,10 +120,9 @@ def test_forward_rejects_bad_arguments_and_recovers(name: str, call: Call, error
 
 
 EXTERNAL_CASES: list[tuple[str, Any, type[Exception], str]] = [
-    ("missing", None, TypeError,
-     "create_parameters=False needs expert_weights=(gate_up_weight, down_weight), "
-                                 "got NoneType"),
-    ("one tensor", (torch.zeros(4, 16, 16),), TypeError,
+    ("missing", None, ValueError,
+     "create_parameters=False needs expert_weights=(gate_up_weight, down_weight), got NoneType"),
+    ("one tensor", (torch.zeros(4, 16, 16),), ValueError,
      "needs expert_weights=(gate_up_weight, down_weight)"),
     ("gate_up shape", (torch.zeros(4, 16, 8), torch.zeros(4, 8, 16)), ValueError,
      "gate_up_weight must have shape [4, 16, 16], got [4, 16, 8]"),
@@ -138,4 +140,19 @@ def test_external_expert_weights_are_checked(name: str, weights: Any, error: typ
     with pytest.raises(error) as info:
         layer(hidden, ids, topk_weights, expert_weights=weights)
     assert text in str(info.value)
+    layer.close()
+
+
+def test_a_rejected_first_call_binds_nothing() -> None:
+    """Issue 14: a bfloat16 input to a float32 layer as its first call bound it to bfloat16, so every
+    later float32 call failed."""
+    layer = MoeExperts(**GOOD)
+    hidden, ids, weights = _inputs()
+    with pytest.raises(ValueError) as info:
+        layer(hidden.bfloat16(), ids, weights.bfloat16())
+    assert "gate_up_weight is torch.float32 on cpu but hidden_states is torch.bfloat16" in str(info.value)
+    assert layer.binding_id is None
+    with torch.no_grad():
+        out = layer(hidden, ids, weights)
+    assert out.dtype == torch.float32 and layer._resource_group.dtype == torch.float32
     layer.close()

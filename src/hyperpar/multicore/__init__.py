@@ -1,5 +1,6 @@
 """Collectively owned execution resources and the expert-parallel MoeExperts layer."""
 
+from hyperpar.multicore.cleanup import closing
 from hyperpar.multicore.collective import CollectiveError, collective_call, exchange
 from hyperpar.multicore.manager import MANAGER, ResourceManager, close_groups, register_runtime_release
 from hyperpar.multicore.module import MulticoreModule
@@ -15,6 +16,7 @@ __all__ = [
     "ResourceGroup",
     "ResourceManager",
     "close_groups",
+    "closing",
     "collective_call",
     "exchange",
     "register_runtime_release",

@@ -1,83 +1,52 @@
-"""Automatic cleanup: before a dependency process group is destroyed, and at interpreter exit.
+"""Teardown that never communicates: the ``closing`` block and the interpreter-exit release.
 
-Which torch entry point to hook: ``destroy_process_group(group=None)`` is public and has the
-same shape from torch 2.6 to 2.13, while what it calls to tear a group down is not: 2.6 calls
-the private ``_shutdown_backend(pg)`` (which only acts on NCCL backends), later releases
-(2.13 here) call ``ProcessGroup.shutdown()``, and at that point ``comm.finalize()`` may already
-have run for the world. A hook on either would be version-specific and would run with the group
-half torn down. So we wrap ``destroy_process_group`` itself, under both of its names
-(``torch.distributed`` and ``torch.distributed.distributed_c10d``): our collective close runs
-first, while the group is fully usable, on every rank that calls it, and only for the groups
-whose root is the one being destroyed (all of them for the world). Code that imported the
-function by name before our first binding keeps the unwrapped one; ``atexit`` still covers it.
+Nothing here patches torch. A collective close needs every peer, and on a failure path the
+peers may be anywhere (inside another collective, or gone): teardown after an exception and at
+interpreter exit therefore releases what this rank holds and logs it, without waiting for
+anyone, so that a failing rank leaves at once. ``destroy_process_group`` is torch's own; a
+``close()`` after it runs on this rank alone (the root group is gone, see ``Scope``).
 """
 
 from __future__ import annotations
 
 import atexit
-import functools
 import logging
-import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
-import torch.distributed as dist
+from hyperpar.multicore.module import MulticoreModule
 
 logger = logging.getLogger(__name__)
 
-_MARKER = "__hyperpar_cleanup_wrapper__"
-_install_lock = threading.Lock()
-_installed = False
+LEFT_AFTER_EXCEPTION = "an exception left a closing() block"
 
 
-def _wrap_destroy(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def destroy_process_group(group: Any = None, *args: Any, **kwargs: Any) -> Any:
-        from hyperpar.multicore.manager import MANAGER
+@contextmanager
+def closing(modules: Iterable[MulticoreModule]) -> Iterator[list[MulticoreModule]]:
+    """Close ``modules`` when the block ends: collectively and in order (``close()``) when it
+    ends normally; on this rank alone, without communicating, when an exception leaves it (the
+    peers may be elsewhere), logging each group so released. Yields the modules as a list."""
+    members = list(modules)
+    try:
+        yield members
+    except BaseException:
+        for module in members:
+            try:
+                module._release_locally(LEFT_AFTER_EXCEPTION)
+            except Exception:  # the original exception matters more
+                logger.exception("releasing %s after an exception failed", type(module).__name__)
+        raise
+    for module in members:
+        module.close()
 
-        try:
-            if dist.is_initialized():
-                MANAGER.close_before_destroy(group)
-        except Exception:
-            # Destroying must go on; whatever could not close stays owned and is reported at exit.
-            logger.exception("closing execution resources before destroy_process_group failed")
-        return original(group, *args, **kwargs)
 
-    setattr(destroy_process_group, _MARKER, original)
-    return destroy_process_group
-
-
-def _close_at_exit() -> None:
-    from hyperpar.multicore.manager import MANAGER
+def _release_at_exit() -> None:
+    from hyperpar.multicore.manager import MANAGER  # looked up now: tests swap the instance
 
     try:
         MANAGER.close_all_at_exit()
     except Exception:
-        logger.exception("closing execution resources at interpreter exit failed")
+        logger.exception("releasing execution resources at interpreter exit failed")
 
 
-def install_cleanup_hooks() -> None:
-    """Install the destroy_process_group wrapper and the atexit hook, once per process."""
-    global _installed
-    if _installed:
-        return
-    with _install_lock:
-        if _installed:
-            return
-        if dist.is_available():
-            from torch.distributed import distributed_c10d
-
-            wrappers: dict[int, Callable[..., Any]] = {}
-            for module in (distributed_c10d, dist):
-                current = getattr(module, "destroy_process_group", None)
-                if current is not None and not hasattr(current, _MARKER):
-                    if id(current) not in wrappers:
-                        wrappers[id(current)] = _wrap_destroy(current)
-                    module.destroy_process_group = wrappers[id(current)]
-        atexit.register(_close_at_exit)
-        _installed = True
-        logger.debug("installed execution-resource cleanup hooks")
-
-
-def cleanup_hooks_installed() -> bool:
-    return _installed
+atexit.register(_release_at_exit)

@@ -1,29 +1,24 @@
-"""The process-wide registry of bound resource groups: binding, recycling and collective close.
+"""The process-wide registry of resource groups: binding, recycling, collective close, the
+runtime release, and the local release that teardown uses.
 
 Every step that allocates or frees resources first exchanges a manifest over the group's root
-process group, and every failure is agreed on before anyone enters the next collective, so a
-rank never waits in a collective that a peer has already abandoned.
+process group and nothing wider (a module without a root never communicates), and every failure
+is agreed on before anyone enters the next collective, so a rank never waits in a collective
+that a peer has already abandoned. The local release is the one exception: it never
+communicates, so that a failing rank can always tear down at once.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
-from hyperpar.multicore.collective import (
-    CollectiveError,
-    agree_on,
-    exchange,
-    group_ranks,
-    is_distributed,
-    outcome_of,
-    raise_if_any_failed,
-)
+from hyperpar.multicore.collective import CollectiveError, Scope, outcome_of, raise_if_any_failed
 from hyperpar.multicore.diagnostics import manifest_difference, value_difference
 from hyperpar.multicore.resources import MemberToken, ResourceGroup
 
@@ -34,35 +29,8 @@ logger = logging.getLogger(__name__)
 
 BINDING_MISMATCH = "binding order or specifications differ across ranks"
 CLOSE_MISMATCH = "close order or groups differ across ranks"
-
-
-class _Scope:
-    """Where a group's collectives run: its root process group, or nowhere (not distributed)."""
-
-    __slots__ = ("distributed", "root")
-
-    def __init__(self, distributed: bool, root: Any) -> None:
-        self.distributed = distributed
-        self.root = root
-
-    @classmethod
-    def of(cls, root: Any) -> _Scope:
-        if not is_distributed():
-            return cls(False, None)
-        return cls(True, dist.group.WORLD if root is None else root)
-
-    def key(self) -> tuple[bool, Any]:
-        return (self.distributed, self.root)
-
-    def gather(self, value: Any) -> list[Any]:
-        return exchange(value, self.root) if self.distributed else [value]
-
-    def ranks(self) -> list[int]:
-        return group_ranks(self.root) if self.distributed else [0]
-
-    def agree(self, stage: str, fn: Callable[[], Any]) -> Any:
-        """Run fn locally; raise the same CollectiveError on every rank if any rank failed."""
-        return agree_on(stage, fn, self.gather, self.ranks())
+RUNTIME_RELEASE = "multicore runtime release"
+NEVER_CLOSED = "resource group never closed before interpreter exit"
 
 
 def _is_idle(group: ResourceGroup) -> bool:
@@ -80,24 +48,32 @@ def _lifecycle_text(group: ResourceGroup) -> str:
         return f"<lifecycle_signature() raised {type(exc).__name__}: {exc}>"
 
 
+def _by_binding_id(groups: Iterable[ResourceGroup]) -> list[ResourceGroup]:
+    return sorted(groups, key=lambda g: g.binding_id or 0)
+
+
 class ResourceManager:
-    """Owns every bound group of this process, in binding-id order per root process group."""
+    """Owns every resource group of this process; ``bound_groups()`` are those holding resources."""
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
-        self._groups: list[ResourceGroup] = []  # bound groups that still hold resources
-        self._scopes: dict[int, _Scope] = {}  # id(group) -> scope it was bound in
-        self._counters: dict[tuple[bool, Any], int] = {}
+        self._bound: list[ResourceGroup] = []  # in binding order
+        self._live: weakref.WeakSet[ResourceGroup] = weakref.WeakSet()  # every group (for specifications)
+        self._counters: dict[str | None, int] = {}  # scope key -> last binding id
         self._serial = 0
         self._release_callbacks: list[Callable[[], None]] = []
-        self._runtime_active = False
+        self._runtime_users: dict[str, type[MulticoreModule]] = {}  # types bound since the last release
+        self._failed_release: Scope | None = None  # where a failed runtime release is retried
         self.runtime_releases = 0
 
     # ----- membership -------------------------------------------------------------------
     def new_group(self, module_type: str, compatibility_key: Any, scope_key: Any,
                   shared: bool = False) -> ResourceGroup:
-        return ResourceGroup(module_type=module_type, compatibility_key=compatibility_key,
-                             scope_key=scope_key, shared=shared)
+        group = ResourceGroup(module_type=module_type, compatibility_key=compatibility_key,
+                              scope_key=scope_key, shared=shared)
+        with self._lock:
+            self._live.add(group)
+        return group
 
     def new_token(self, module_type: str) -> MemberToken:
         with self._lock:
@@ -108,7 +84,7 @@ class ResourceManager:
         """Drop a member (module closed or collected). Never frees resources: a bound group left
         without members stays as an idle orphan for the next binding to recycle."""
         with self._lock:
-            group: ResourceGroup | None = getattr(token, "group", None)
+            group = token.group
             if group is None:
                 return
             group.members.pop(token, None)
@@ -116,40 +92,46 @@ class ResourceManager:
             if group.holds_resources and group.orphan:
                 logger.debug("%s is now an orphan", group.describe())
 
-    def bound_groups(self, root: Any = ...) -> list[ResourceGroup]:
-        """Groups holding resources (all, or those bound under one root process group)."""
+    def bound_groups(self) -> list[ResourceGroup]:
+        """Groups holding resources, in binding order."""
         with self._lock:
-            groups = list(self._groups)
-        if root is not ...:
-            groups = [g for g in groups if self._scopes[id(g)].root is root]
-        return sorted(groups, key=lambda g: g.binding_id or 0)
+            return list(self._bound)
+
+    def _active_specifications(self, group: ResourceGroup) -> tuple[Any, ...]:
+        """Every live member's specification in the group's scope (same module type and scope
+        key, bound or not), in creation order: enough to size one arena for the whole scope."""
+        members = [(token.serial, spec) for g in list(self._live)
+                   if not g.closed and g.module_type == group.module_type and g.scope_key == group.scope_key
+                   for token, spec in g.members.items()]
+        return tuple(spec for _, spec in sorted(members, key=lambda member: member[0]))
 
     # ----- binding ------------------------------------------------------------------------
     def bind(self, group: ResourceGroup | None, module: MulticoreModule, tensor: Any,
-             precheck_error: Exception | None) -> Any:
+             refusal: Exception | None) -> Any:
         """First execution of an unbound group: recycle idle orphans, else create resources.
 
-        Collective over the module's root group; ``precheck_error`` (a local mistake such as a
+        Collective over the module's root group; ``refusal`` (a local mistake such as a
         non-tensor input) is agreed on first, so the peers raise with this rank.
         """
-        scope = _Scope.of(module._root_group())
+        scope = Scope(module._root_group())
         with self._lock:
-            signature = ""
-            if precheck_error is None:
+            signature, specs = "", ()
+            if refusal is None:
+                assert group is not None  # a missing group always comes with a refusal
                 try:
-                    signature = self._requester_signature(group, module, tensor)
+                    signature = repr((group.module_type, group.shared, module._resource_signature(tensor)))
+                    specs = self._active_specifications(group)
                 except Exception as exc:
-                    precheck_error = exc
-            candidates = [g for g in self.bound_groups() if self._scopes[id(g)].key() == scope.key()]
+                    refusal = exc
+            candidates = [g for g in self._bound if g.scope is not None and g.scope.key == scope.key]
             manifest = [(g.binding_id, g.signature) for g in candidates]
             flags = [(g.orphan, _is_idle(g), self._compatible(g, group, signature, tensor))
-                     if precheck_error is None else (False, False, False) for g in candidates]
-            key = scope.key()
-            next_id = self._counters.get(key, 0) + 1
-            gathered = scope.gather((outcome_of(precheck_error), signature, manifest, flags, next_id))
+                     if refusal is None else (False, False, False) for g in candidates]
+            next_id = self._counters.get(scope.key, 0) + 1
+            gathered = scope.gather("bind", (outcome_of(refusal), signature, manifest, flags, next_id))
             ranks = scope.ranks()
-            raise_if_any_failed("bind", [item[0] for item in gathered], ranks, precheck_error)
-            assert group is not None  # a missing group always comes with a precheck error
+            raise_if_any_failed("bind", [item[0] for item in gathered], ranks, refusal)
+            assert group is not None
             detail = (value_difference("requested signature", [item[1] for item in gathered], ranks)
                       or manifest_difference("bound groups", [item[2] for item in gathered], ranks)
                       or value_difference("next binding id", [item[4] for item in gathered], ranks))
@@ -165,37 +147,23 @@ class ResourceManager:
             if stale:
                 logger.info("recycle: closing %d idle orphan group(s): %s", len(stale),
                             ", ".join(g.describe() for g in stale))
-                self._close_agreed(stale, scope, "recycle", release_runtime=False)
+                self._close_agreed(stale, "recycle")
             if reuse is not None:
                 orphan = candidates[reuse]
                 logger.info("recycle: reusing %s", orphan.describe())
-                resources = orphan.resources
-                self._forget(orphan)
-                creation_specs = orphan.creation_specifications
+                resources, creation = orphan.resources, orphan.creation_specifications
+                self._bound.remove(orphan)
             else:
-                resources = self._create(group, module, tensor, scope)
-                creation_specs = tuple(repr(s) for s in group.members.values())
-            self._counters[key] = next_id
-            group.binding_id = next_id
-            group.resources = resources
-            group.device = tensor.device
-            group.dtype = tensor.dtype
-            group.root_group = scope.root
-            group.signature = signature
-            group.creation_specifications = creation_specs
-            self._groups.append(group)
-            self._scopes[id(group)] = scope
-            self._runtime_active = True
-        from hyperpar.multicore.cleanup import install_cleanup_hooks
-
-        install_cleanup_hooks()
+                resources = self._create(group, module, tensor, scope, specs)
+                creation = tuple(repr(s) for s in specs)
+            self._counters[scope.key] = next_id
+            group.binding_id, group.scope, group.resources = next_id, scope, resources
+            group.device, group.dtype, group.signature = tensor.device, tensor.dtype, signature
+            group.creation_specifications = creation
+            self._bound.append(group)
+            self._runtime_users[group.module_type] = type(module)
         logger.debug("bound %s", group.describe())
         return resources
-
-    def _requester_signature(self, group: ResourceGroup | None, module: MulticoreModule,
-                             tensor: torch.Tensor) -> str:
-        assert group is not None
-        return repr((group.module_type, group.shared, module._resource_signature(tensor)))
 
     def _compatible(self, orphan: ResourceGroup, group: ResourceGroup | None, signature: str,
                     tensor: torch.Tensor) -> bool:
@@ -209,9 +177,8 @@ class ResourceManager:
                 and orphan.device == tensor.device and orphan.dtype == tensor.dtype
                 and wanted.issubset(orphan.creation_specifications))
 
-    def _create(self, group: ResourceGroup, module: MulticoreModule, tensor: torch.Tensor,
-                scope: _Scope) -> Any:
-        specs = tuple(group.members.values())
+    def _create(self, group: ResourceGroup, module: MulticoreModule, tensor: torch.Tensor, scope: Scope,
+                specs: tuple[Any, ...]) -> Any:
         created: list[Any] = []
 
         def create() -> Any:
@@ -234,155 +201,170 @@ class ResourceManager:
                     logger.exception("closing resources created before a peer failed")
             raise
 
-    # ----- closing ------------------------------------------------------------------------
-    def _forget(self, group: ResourceGroup) -> None:
-        if group in self._groups:
-            self._groups.remove(group)
-        self._scopes.pop(id(group), None)
+    # ----- collective close -----------------------------------------------------------------
+    def _finish_close(self, group: ResourceGroup) -> None:
+        group.closing, group.closed = False, True
+        group.resources = group.scope = None  # nothing keeps the process group alive
+        self._bound.remove(group)
+        logger.debug("closed %s", group.describe())
 
-    def _close_agreed(self, groups: Sequence[ResourceGroup], scope: _Scope, stage: str,
-                      keep_going: bool = False, release_runtime: bool = True) -> None:
-        """Close groups whose manifest and readiness were already agreed, in binding-id order.
-        A failure anywhere raises on every rank and leaves that group closing, with its
-        resources, so that a retry calls close() again. ``keep_going`` (cleanup) still tries
-        the later groups, each outcome agreed on its own, and raises the first failure last."""
-        first_error: CollectiveError | None = None
-        for group in sorted(groups, key=lambda g: g.binding_id or 0):
+    def _close_agreed(self, groups: Sequence[ResourceGroup], stage: str) -> None:
+        """Close groups whose manifest and readiness were agreed, in binding-id order. A failure
+        anywhere raises on every rank and leaves that group closing, with its resources, so that
+        a retry calls close() again."""
+        for group in _by_binding_id(groups):
+            assert group.scope is not None
             group.closing = True
-            try:
-                scope.agree(f"{stage}: close binding id {group.binding_id}", group.resources.close)
-            except CollectiveError as exc:
-                if not keep_going:
-                    raise
-                first_error = first_error or exc
-                continue
-            group.closing = False
-            group.closed = True
-            group.resources = None
-            self._forget(group)
-            logger.debug("closed %s", group.describe())
-        if release_runtime:  # not while recycling: the binding is about to need the runtime again
-            self._maybe_release_runtime()
-        if first_error is not None:
-            raise first_error
+            group.scope.agree(f"{stage}: close binding id {group.binding_id}", group.resources.close)
+            self._finish_close(group)
 
-    def close_groups(self, groups: Iterable[ResourceGroup], stage: str = "close",
-                     keep_going: bool = False) -> None:
-        """Collectively close bound groups (all from one root process group): check manifests and
-        readiness on every rank, then close in binding-id order."""
+    def _gather_close(self, scope: Scope, groups: Sequence[ResourceGroup],
+                      extra: Any) -> tuple[list[Any], list[int]]:
+        """Exchange what each rank is about to close, which of it is busy, and ``extra``; raise on
+        every rank when the ranks would close different groups."""
+        manifest = [(g.binding_id, f"{g.signature} / {_lifecycle_text(g)}") for g in groups]
+        busy = [g.binding_id for g in groups if not _is_idle(g)]
+        gathered = scope.gather("close", (manifest, busy, extra))
+        ranks = scope.ranks()
+        detail = manifest_difference(CLOSE_MISMATCH, [item[0] for item in gathered], ranks)
+        if detail:
+            raise CollectiveError.create("close", {}, detail)
+        return gathered, ranks
+
+    @staticmethod
+    def _raise_if_busy(gathered: list[Any], ranks: list[int]) -> None:
+        busy = [f"rank {rank} (binding id(s) {item[1]})" for rank, item in zip(ranks, gathered, strict=True)
+                if item[1]]
+        if busy:
+            raise CollectiveError.create("close", {}, f"not ready to close on {', '.join(busy)}: a call in "
+                                                      "flight or a pending backward holds the resources")
+
+    def close_groups(self, groups: Iterable[ResourceGroup] | None = None) -> None:
+        """Collectively close bound groups (every one when ``groups`` is None): each root's groups
+        over that root in binding-id order, the roots in the same order on every rank (this
+        rank's own first, then by process-group name). Readiness is checked before anything is
+        freed; a failure raises on every rank and leaves the group closing, for a retry."""
         with self._lock:
-            groups = sorted((g for g in groups if g.holds_resources), key=lambda g: g.binding_id or 0)
-            scopes = {self._scopes[id(g)].key(): self._scopes[id(g)] for g in groups}
-            if len(scopes) > 1:
-                raise ValueError(f"close_groups: groups come from {len(scopes)} different root process "
-                                 "groups; close each root's groups in a separate call")
-            scope = next(iter(scopes.values())) if scopes else _Scope.of(None)
-            manifest = [(g.binding_id, f"{g.signature} / {_lifecycle_text(g)}") for g in groups]
-            busy = [g.binding_id for g in groups if not _is_idle(g)]
-            gathered = scope.gather((manifest, busy))
-            ranks = scope.ranks()
-            detail = manifest_difference(CLOSE_MISMATCH, [item[0] for item in gathered], ranks)
-            if detail:
-                raise CollectiveError.create(stage, {}, detail)
-            not_ready = [f"rank {rank}: binding id(s) {item[1]}" for rank, item in zip(ranks, gathered,
-                                                                                       strict=True)
-                         if item[1]]
-            if not_ready:
-                raise CollectiveError.create(
-                    stage, {}, "not ready to close (a call in flight or a pending backward holds the "
-                               "resources): " + "; ".join(not_ready))
-            self._close_agreed(groups, scope, stage, keep_going)
+            chosen = list(self._bound) if groups is None else [g for g in groups if g.holds_resources]
+            by_key: dict[str | None, list[ResourceGroup]] = {}
+            for group in chosen:
+                assert group.scope is not None
+                by_key.setdefault(group.scope.key, []).append(group)
+            for key in sorted(by_key, key=lambda k: (k is not None, k or "")):
+                here = _by_binding_id(by_key[key])
+                scope = here[0].scope
+                assert scope is not None
+                gathered, ranks = self._gather_close(scope, here, set(self._bound) <= set(here))
+                self._raise_if_busy(gathered, ranks)
+                self._close_agreed(here, "close")
+                if all(item[2] for item in gathered):
+                    self._release_runtime(scope)
+            if not by_key:
+                self.retry_failed_release()
 
     def close_member(self, token: MemberToken) -> None:
         """``module.close()``: the member retires; if it is the last member of its bound group on
         every rank, the group is closed collectively first (failures keep the member)."""
         with self._lock:
-            group: ResourceGroup | None = getattr(token, "group", None)
+            group = token.group
             if group is None or not group.holds_resources:
                 self.retire(token)
+                self.retry_failed_release()
                 return
-            scope = self._scopes[id(group)]
+            scope = group.scope
+            assert scope is not None
             last = set(group.members) == {token}
-            gathered = scope.gather(((group.binding_id, group.signature), last, _is_idle(group)))
-            ranks = scope.ranks()
-            detail = manifest_difference(CLOSE_MISMATCH, [[item[0]] for item in gathered], ranks)
-            if detail:
-                raise CollectiveError.create("close", {}, detail)
-            if all(item[1] for item in gathered):
-                busy = [f"rank {rank}" for rank, item in zip(ranks, gathered, strict=True) if not item[2]]
-                if busy:
-                    raise CollectiveError.create(
-                        "close", {}, f"binding id {group.binding_id} is not ready to close on "
-                                     f"{', '.join(busy)} (a call in flight or a pending backward)")
-                self._close_agreed([group], scope, "close")
+            gathered, ranks = self._gather_close(scope, [group], (last, last and self._bound == [group]))
+            if all(item[2][0] for item in gathered):
+                self._raise_if_busy(gathered, ranks)
+                self._close_agreed([group], "close")
+                if all(item[2][1] for item in gathered):
+                    self._release_runtime(scope)
             self.retire(token)
 
     # ----- process-wide runtime -----------------------------------------------------------
     def register_runtime_release(self, callback: Callable[[], None]) -> None:
-        """Run ``callback`` once after the last group closes (e.g. to tear down a native runtime)."""
+        """Run ``callback`` when the runtime is released (after the last group closes)."""
         with self._lock:
             if callback not in self._release_callbacks:
                 self._release_callbacks.append(callback)
 
-    def _maybe_release_runtime(self) -> None:
-        if not self._runtime_active or self._groups:
-            return
-        self._runtime_active = False
-        self.runtime_releases += 1
+    def _run_release_hooks(self) -> None:
+        for name in sorted(self._runtime_users):
+            self._runtime_users[name]._release_execution_runtime()
         for callback in list(self._release_callbacks):
-            try:
-                callback()
-            except Exception:
-                logger.exception("runtime release callback %r failed", callback)
+            callback()
 
-    # ----- cleanup ------------------------------------------------------------------------
-    def close_before_destroy(self, process_group: Any) -> None:
-        """Collectively close the groups whose root dies with ``process_group`` (None/WORLD: all)."""
-        world = dist.group.WORLD
-        everything = process_group is None or process_group is world
-        with self._lock:
-            roots: dict[int, Any] = {}
-            for group in self.bound_groups():
-                scope = self._scopes[id(group)]
-                if scope.distributed and (everything or scope.root is process_group):
-                    roots.setdefault(id(scope.root), scope.root)
-        ordered = sorted(roots.values(), key=lambda r: (r is not world, getattr(r, "group_name", "")))
-        first_error: Exception | None = None
-        for root in ordered:
-            groups = self.bound_groups(root)
-            logger.info("closing %d resource group(s) before destroy_process_group: %s", len(groups),
-                        ", ".join(g.describe() for g in groups))
-            try:
-                self.close_groups(groups, stage="cleanup before destroy_process_group", keep_going=True)
-            except CollectiveError as exc:
-                first_error = first_error or exc
-        if first_error is not None:
-            raise first_error
+    def _released(self) -> None:
+        self._runtime_users.clear()
+        self._failed_release = None
+        self.runtime_releases += 1
 
-    def close_all_at_exit(self) -> None:
-        """Interpreter exit: close what is left locally (peers may be gone: no collectives),
-        logging each group that was never closed and each failure."""
+    def _release_runtime(self, scope: Scope) -> None:
+        """The last close on every rank of ``scope`` left nothing bound: release the runtime as an
+        agreed stage. A failure anywhere raises on every rank; a later close() retries it."""
+        try:
+            scope.agree(RUNTIME_RELEASE, self._run_release_hooks)
+        except CollectiveError:
+            self._failed_release = scope
+            raise
+        self._released()
+
+    def retry_failed_release(self) -> None:
+        """Retry a runtime release that failed (collective over the ranks that saw it fail)."""
         with self._lock:
-            for group in self.bound_groups():
-                logger.warning("resource group never closed before interpreter exit: %s; resources %s %s",
-                               group.describe(), type(group.resources).__name__, _lifecycle_text(group))
+            if self._failed_release is not None and not self._bound:
+                self._release_runtime(self._failed_release)
+
+    # ----- local release (teardown) ---------------------------------------------------------
+    def release_locally(self, groups: Iterable[ResourceGroup], reason: str,
+                        even_if_busy: bool = False) -> None:
+        """Close ``groups`` on this rank alone, never communicating: for teardown, when the
+        peers may be gone or inside another collective. Each group is logged with ``reason``; one
+        still in use (unless ``even_if_busy``) or whose close() fails keeps its resources. When
+        nothing is left bound, the runtime is released here too."""
+        with self._lock:
+            for group in _by_binding_id(g for g in groups if g.holds_resources):
+                logger.warning("%s: %s; resources %s %s", reason, group.describe(),
+                               type(group.resources).__name__, _lifecycle_text(group))
+                if not (even_if_busy or _is_idle(group)):
+                    logger.warning("binding id %s is in use (a call in flight or a pending backward): "
+                                   "left for a later close or the exit", group.binding_id)
+                    continue
                 try:
                     group.resources.close()
                 except Exception:
-                    logger.exception("closing %s at exit failed", group.describe())
+                    logger.exception("closing %s on this rank failed", group.describe())
                     continue
-                group.closing = False
-                group.closed = True
-                group.resources = None
-                self._forget(group)
-            self._maybe_release_runtime()
+                self._finish_close(group)
+            if self._runtime_users and not self._bound:
+                try:
+                    self._run_release_hooks()
+                except Exception:
+                    logger.exception("the runtime release failed on this rank")
+                else:
+                    self._released()
+
+    def release_member_locally(self, token: MemberToken, reason: str) -> None:
+        """A member leaves without communicating; the last member of its group releases it here."""
+        with self._lock:
+            group = token.group
+            if group is not None and set(group.members) == {token}:
+                self.release_locally([group], reason)
+            self.retire(token)
+
+    def close_all_at_exit(self) -> None:
+        """Interpreter exit: release locally whatever is left, and drop every process group."""
+        self.release_locally(self.bound_groups(), NEVER_CLOSED, even_if_busy=True)
+        self._failed_release = None
 
 
 MANAGER = ResourceManager()
 
 
-def close_groups(groups: Iterable[ResourceGroup]) -> None:
-    """Close bound resource groups collectively, in binding-id order (same call on every rank)."""
+def close_groups(groups: Iterable[ResourceGroup] | None = None) -> None:
+    """Close bound resource groups collectively (all of them by default), in binding-id order;
+    the same call on every rank."""
     MANAGER.close_groups(groups)
 
 

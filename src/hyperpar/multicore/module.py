@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import torch
@@ -85,9 +85,15 @@ class MulticoreModule(torch.nn.Module):
         return (repr(self.resource_specification), tensor.device.type, str(tensor.dtype))
 
     def _root_group(self) -> Any:
-        """The process group the resources depend on: binding and closing are collective over it,
-        and its ``destroy_process_group`` closes them."""
+        """The process group the resources depend on: binding and closing are collective over it
+        and nothing wider. None: this module never communicates."""
         return dist.group.WORLD if is_distributed() else None
+
+    @classmethod
+    def _release_execution_runtime(cls) -> None:
+        """Release this type's process-wide native runtime. Runs once the last group of the
+        process has closed, on every rank of that close, as an agreed stage: a failure raises
+        on all of them and a later ``close()`` retries, so it must be idempotent."""
 
     # ----- state ------------------------------------------------------------------------
     @property
@@ -108,47 +114,75 @@ class MulticoreModule(torch.nn.Module):
         return None if group is None else group.binding_id
 
     # ----- use ---------------------------------------------------------------------------
-    def _get_execution_resources(self, x: Any) -> Any:
-        """The group's resources, binding them on first use (collectively)."""
+    def _check_execution_input(self, x: Any, name: str = "x") -> Exception | None:
+        """What ``_get_execution_resources(x)`` would refuse on this rank alone, found without
+        communicating: a non-tensor (TypeError), another device or dtype than the binding
+        (ValueError), a module closed before its first use (RuntimeError); None if nothing.
+        A subclass whose forward communicates before binding feeds it to its own agreement.
+
+        Raises RuntimeError at once when the module was closed, or is closing, after it had
+        bound: closing is collective, so that is the same on every rank.
+        """
         group = self._resource_group
+        cls = type(self).__name__
         if group is None:
-            error = RuntimeError(f"{type(self).__name__}: execution resources used after close()")
+            error = RuntimeError(f"{cls}: execution resources used after close()")
             if self._resource_was_bound:
                 raise error
-            return MANAGER.bind(None, self, x, error)  # peers may be binding: fail with them
+            return error
         if group.closed:
-            raise RuntimeError(f"{type(self).__name__}: execution resources were closed "
-                               f"({group.describe()})")
+            raise RuntimeError(f"{cls}: execution resources were closed ({group.describe()})")
         if group.closing:
-            raise RuntimeError(f"{type(self).__name__}: execution resources are closing after a failed "
-                               f"close; call close() again ({group.describe()})")
-        if group.bound:
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(f"{type(self).__name__}: x must be a torch.Tensor, got {type(x).__name__}")
-            if x.device != group.device or x.dtype != group.dtype:
-                raise ValueError(
-                    f"{type(self).__name__}: execution resources (binding id {group.binding_id}) are "
-                    f"bound to device={group.device}, dtype={group.dtype}; got device={x.device}, "
-                    f"dtype={x.dtype}")
-            return group.resources
-        precheck = None if isinstance(x, torch.Tensor) else TypeError(
-            f"{type(self).__name__}: x must be a torch.Tensor, got {type(x).__name__}")
-        resources = MANAGER.bind(group, self, x, precheck)
-        self._resource_was_bound = True
-        return resources
+            raise RuntimeError(f"{cls}: execution resources are closing after a failed close; call "
+                               f"close() again ({group.describe()})")
+        if not isinstance(x, torch.Tensor):
+            return TypeError(f"{cls}: {name} must be a torch.Tensor, got {type(x).__name__}")
+        if group.bound and (x.device != group.device or x.dtype != group.dtype):
+            return ValueError(f"{cls}: execution resources (binding id {group.binding_id}) are bound to "
+                              f"device={group.device}, dtype={group.dtype}; got device={x.device}, "
+                              f"dtype={x.dtype}")
+        return None
+
+    def _get_execution_resources(self, x: Any) -> Any:
+        """The group's resources, binding them on first use (collectively over ``_root_group()``)."""
+        refusal = self._check_execution_input(x)
+        group = self._resource_group
+        if group is None or not group.bound:  # first use: a refusal is agreed with the peers that bind
+            resources = MANAGER.bind(group, self, x, refusal)
+            self._resource_was_bound = True
+            return resources
+        if refusal is not None:
+            raise refusal
+        return group.resources
 
     def close(self) -> None:
         """Release this module's membership; the last member of a bound group closes it,
         collectively (call in the same order on every rank). Idempotent; after a failure the
-        module keeps its membership and ``close()`` can be retried."""
+        module keeps its membership and ``close()`` can be retried (a failed runtime release
+        is retried by any later ``close()``)."""
+        if self._resource_token is None:
+            MANAGER.retry_failed_release()
+        self._leave(MANAGER.close_member)
+
+    def _release_locally(self, reason: str) -> None:
+        """Leave without communicating (teardown after a failure); see ``closing``."""
+        self._leave(lambda token: MANAGER.release_member_locally(token, reason))
+
+    def _leave(self, how: Callable[[MemberToken], None]) -> None:
         token = self._resource_token
         if token is None:
             return
         if token.group is not None and token.group.bound:
             self._resource_was_bound = True
-        MANAGER.close_member(token)
+        how(token)  # may raise (a failed collective close): the module then stays a member
         self._resource_token = None
         self._resource_finalizer.detach()
+        self._forget_communication()
+
+    def _forget_communication(self) -> None:
+        """Drop this module's references to process groups and communication objects once it has
+        left its group: a process group still referenced after ``destroy_process_group`` is
+        freed at interpreter teardown, which can abort the process."""
 
     @classmethod
     def share_execution_resources(cls, modules: Iterable[MulticoreModule]) -> None:
@@ -183,17 +217,15 @@ class MulticoreModule(torch.nn.Module):
             if group.closing:
                 raise RuntimeError(f"share_execution_resources: modules[{index}] is closing")
             groups.append(group)
+        if len({id(g) for g in groups}) == 1 and groups[0].shared and len(groups[0].members) == len(members):
+            return  # exactly these members already share one group: nothing to do
         first = members[0]
         for index, module in enumerate(members[1:], start=1):
-            if module.resource_compatibility_key != first.resource_compatibility_key:
-                raise ValueError(
-                    "share_execution_resources: different resource_compatibility_key: modules[0] has "
-                    f"{first.resource_compatibility_key!r}, modules[{index}] has "
-                    f"{module.resource_compatibility_key!r}")
-            if module.resource_scope_key != first.resource_scope_key:
-                raise ValueError(
-                    "share_execution_resources: different resource_scope_key: modules[0] has "
-                    f"{first.resource_scope_key!r}, modules[{index}] has {module.resource_scope_key!r}")
+            for key in ("resource_compatibility_key", "resource_scope_key"):
+                mine, theirs = getattr(module, key), getattr(first, key)
+                if mine != theirs:
+                    raise ValueError(f"share_execution_resources: different {key}: modules[0] has "
+                                     f"{theirs!r}, modules[{index}] has {mine!r}")
         for index, group in enumerate(groups):
             if group.bound:
                 raise RuntimeError(f"share_execution_resources: modules[{index}] already ran "

@@ -7,6 +7,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from hyperpar.multicore.collective import Scope
+
 
 @runtime_checkable
 class ExecutionResources(Protocol):
@@ -41,20 +43,21 @@ class MemberToken:
 class ResourceGroup:
     """Modules that execute serially and share one set of execution resources.
 
-    A group whose members are all gone but that still holds resources is an *orphan*: its
+    ``members`` maps each member's token to its resource specification. A group whose
+    members are all gone but that still holds resources is an *orphan*: its
     native memory stays allocated until the next binding recycles it or a cleanup closes it.
     """
 
     module_type: str
     compatibility_key: Any
     scope_key: Any
-    members: dict[MemberToken, Any] = field(default_factory=dict)  # token -> its specification
+    members: dict[MemberToken, Any] = field(default_factory=dict)
     shared: bool = False
     resources: Any = None
     device: torch.device | None = None
     dtype: torch.dtype | None = None
     binding_id: int | None = None
-    root_group: Any = None
+    scope: Scope | None = None  # where its lifecycle collectives run; dropped when it closes
     signature: str = ""
     creation_specifications: tuple[str, ...] = ()
     closing: bool = False

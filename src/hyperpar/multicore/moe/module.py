@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -15,14 +16,20 @@ from hyperpar.multicore.module import MulticoreModule
 from .config import DEFAULT_OVERLAP_CHUNKS, MoeExpertsConfig
 from .function import ExpertMath, MoeExpertsFunction
 from .offload_interop import call_opaque_to_offload
-from .routing import GradNeeds, RoutingSetup, build_route_plan
+from .routing import GradNeeds, RoutingSetup, build_route_plan, is_integer_tensor
 from .workspace import MoeWorkspace, WorkspaceSpec
 
 log = logging.getLogger(__name__)
 
 
 def _resolve_group(ep_size: int, ep_group: Any) -> tuple[Any, int]:
-    """The EP process group (None: no communication) and this rank's position in it."""
+    """The EP process group and this rank's position in it. The group is None for the default
+    group (a layer keeps no reference to it) and at ``ep_size=1`` (no communication at all)."""
+    if (dist.is_available() and isinstance(ep_group, int) and not isinstance(ep_group, bool)
+            and ep_group == dist.GroupMember.NON_GROUP_MEMBER):
+        raise ValueError(f"this rank (global rank {dist.get_rank()}) is not a member of ep_group: "
+                         "torch.distributed.new_group returned GroupMember.NON_GROUP_MEMBER here; "
+                         "create MoeExperts only on the ranks of its EP group")
     if ep_group is not None and not (dist.is_available() and isinstance(ep_group, dist.ProcessGroup)):
         raise TypeError("ep_group must be None or a torch.distributed ProcessGroup, "
                         f"got {type(ep_group).__name__} {ep_group!r:.60}")
@@ -33,19 +40,18 @@ def _resolve_group(ep_size: int, ep_group: Any) -> tuple[Any, int]:
     if not is_distributed():
         raise ValueError(f"ep_size={ep_size} needs torch.distributed to be initialised "
                          "(or use ep_size=1)")
-    group = dist.group.WORLD if ep_group is None else ep_group
+    group = None if ep_group is None or ep_group is dist.group.WORLD else ep_group
     size = dist.get_world_size(group)
     if size != ep_size:
         raise ValueError(f"ep_size={ep_size} but the EP group "
-                         f"({'the default group' if ep_group is None else 'ep_group'}) has {size} ranks")
+                         f"({'the default group' if group is None else 'ep_group'}) has {size} ranks")
     rank = dist.get_rank(group)
     if rank < 0:
-        raise ValueError("this rank is not a member of ep_group")
+        raise ValueError(f"this rank (global rank {dist.get_rank()}) is not a member of ep_group")
     return group, rank
 
 
-def _grad_needs(hidden: torch.Tensor, topk_weights: Any, gate_up: torch.Tensor,
-                down: torch.Tensor) -> GradNeeds:
+def _grad_needs(hidden: torch.Tensor, topk_weights: Any, gate_up: Any, down: Any) -> GradNeeds:
     if not torch.is_grad_enabled():
         return GradNeeds()
     weights_grad = isinstance(topk_weights, torch.Tensor) and topk_weights.requires_grad
@@ -74,7 +80,7 @@ class MoeExperts(MulticoreModule):
             expert_capacity_factor=expert_capacity_factor, swiglu_limit=swiglu_limit, ep_size=ep_size,
             create_parameters=create_parameters, overlap_chunks=overlap_chunks)
         group, ep_rank = _resolve_group(ep_size, ep_group)
-        ranks = tuple(group_ranks(group)) if group is not None else (-1,)
+        ranks = tuple(group_ranks(group)) if ep_size > 1 else (-1,)
         super().__init__(
             resource_specification=WorkspaceSpec(hidden_size=hidden_size, send_rows=config.send_rows,
                                                  capacity_rows=config.capacity_rows, ep_size=ep_size),
@@ -83,11 +89,12 @@ class MoeExperts(MulticoreModule):
         self.config = config
         self.ep_group = group
         self.ep_rank = ep_rank
-        self._routing = RoutingSetup(
+        self._routing: RoutingSetup | None = RoutingSetup(
             num_experts=num_experts, top_k=top_k, max_tokens=local_num_tokens, ep_size=ep_size,
             ep_rank=ep_rank, group=group, chunks=overlap_chunks, capacity_rows=config.capacity_rows,
             capacity_description=config.capacity_description())
-        self._math = ExpertMath(swiglu_limit=config.swiglu_limit, ep_size=ep_size, group=group)
+        self._math: ExpertMath | None = ExpertMath(swiglu_limit=config.swiglu_limit, ep_size=ep_size,
+                                                   group=group)
         self._config_agreed = ep_size == 1
         if create_parameters:
             local = config.local_experts
@@ -126,7 +133,15 @@ class MoeExperts(MulticoreModule):
         return (*self.config.signature(), tensor.device.type, str(tensor.dtype))
 
     def _root_group(self) -> Any:
-        return self.ep_group if self.ep_group is not None else super()._root_group()
+        """Lifecycle collectives run over the EP group only; at ep_size=1 there are none."""
+        if self.config.ep_size == 1:
+            return None
+        return self.ep_group if self.ep_group is not None else dist.group.WORLD
+
+    def _forget_communication(self) -> None:
+        if self.ep_group is not None:  # the default group is never referenced
+            self.ep_group = None
+            self._routing = self._math = None  # a copy of this closed layer cannot run: its group is gone
 
     @property
     def workspace_bytes(self) -> int:
@@ -145,27 +160,28 @@ class MoeExperts(MulticoreModule):
             raise ValueError(f"MoeExperts configuration differs across EP ranks: {lines}")
         self._config_agreed = True
 
-    def _weights(self, expert_weights: Any, hidden: torch.Tensor,
-                 problems: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _weights(self, expert_weights: Any, hidden: torch.Tensor | None,
+                 problems: list[str]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The expert weights of this call; what is wrong with them goes to ``problems``."""
         cfg = self.config
-        local = cfg.local_experts
         if cfg.create_parameters:
             if expert_weights is not None:
-                raise ValueError("expert_weights must be None when create_parameters=True "
-                                 "(the module owns gate_up_weight and down_weight)")
+                problems.append("expert_weights must be None when create_parameters=True "
+                                "(the module owns gate_up_weight and down_weight)")
             gate_up, down = self.gate_up_weight, self.down_weight
+        elif (not isinstance(expert_weights, (tuple, list)) or len(expert_weights) != 2
+                or not all(isinstance(w, torch.Tensor) for w in expert_weights)):
+            problems.append("create_parameters=False needs expert_weights=(gate_up_weight, down_weight), "
+                            f"got {type(expert_weights).__name__}")
+            return None, None
         else:
-            if (not isinstance(expert_weights, (tuple, list)) or len(expert_weights) != 2
-                    or not all(isinstance(w, torch.Tensor) for w in expert_weights)):
-                raise TypeError("create_parameters=False needs expert_weights=(gate_up_weight, down_weight), "
-                                f"got {type(expert_weights).__name__}")
             gate_up, down = expert_weights
-        want = {"gate_up_weight": (gate_up, (local, cfg.hidden_size, 2 * cfg.intermediate_size)),
-                "down_weight": (down, (local, cfg.intermediate_size, cfg.hidden_size))}
+        want = {"gate_up_weight": (gate_up, (cfg.local_experts, cfg.hidden_size, 2 * cfg.intermediate_size)),
+                "down_weight": (down, (cfg.local_experts, cfg.intermediate_size, cfg.hidden_size))}
         for name, (weight, shape) in want.items():
             if tuple(weight.shape) != shape:
                 problems.append(f"{name} must have shape {list(shape)}, got {list(weight.shape)}")
-            if weight.dtype != hidden.dtype or weight.device != hidden.device:
+            if hidden is not None and (weight.dtype != hidden.dtype or weight.device != hidden.device):
                 problems.append(f"{name} is {weight.dtype} on {weight.device} but hidden_states is "
                                 f"{hidden.dtype} on {hidden.device}")
         return gate_up, down
@@ -179,39 +195,55 @@ class MoeExperts(MulticoreModule):
     def _forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
                  tokens_per_expert: torch.Tensor | None,
                  expert_weights: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        workspace: MoeWorkspace = self._get_execution_resources(hidden_states)
+        # Every check is local and only collects problems: the route plan's exchange raises them on
+        # every EP rank before anything binds or moves, so no rank is left in a collective and a
+        # rejected call binds nothing.
+        refusal = self._check_execution_input(hidden_states, "hidden_states")  # raises if closed
+        if self._routing is None:
+            raise RuntimeError("MoeExperts: this is a copy of a closed layer whose ep_group was released")
         if not self._config_agreed:
             self._agree_on_config()
         cfg = self.config
-        problems: list[str] = []
-        gate_up, down = self._weights(expert_weights, hidden_states, problems)
-        if hidden_states.dim() == 0 or hidden_states.shape[-1] != cfg.hidden_size:
+        problems: list[str] = [] if refusal is None else [str(refusal)]
+        hidden_ok = isinstance(hidden_states, torch.Tensor)
+        device = hidden_states.device if hidden_ok else torch.device("cpu")
+        gate_up, down = self._weights(expert_weights, hidden_states if hidden_ok else None, problems)
+        num_tokens = 0
+        if hidden_ok and (hidden_states.dim() == 0 or hidden_states.shape[-1] != cfg.hidden_size):
             problems.append(f"hidden_states must end in hidden_size={cfg.hidden_size}, "
                             f"got shape {list(hidden_states.shape)}")
-            num_tokens = 0
-        else:
+        elif hidden_ok:
             num_tokens = hidden_states.numel() // cfg.hidden_size
-        if not isinstance(topk_ids, torch.Tensor) or topk_ids.device != hidden_states.device:
-            problems.append(f"topk_ids must be a tensor on {hidden_states.device} like hidden_states, got "
+        if not isinstance(topk_ids, torch.Tensor) or topk_ids.device != device:
+            problems.append(f"topk_ids must be a tensor on {device} like hidden_states, got "
                             + (f"one on {topk_ids.device}" if isinstance(topk_ids, torch.Tensor)
                                else type(topk_ids).__name__))
-            topk_ids = torch.zeros(num_tokens, cfg.top_k, dtype=torch.int64, device=hidden_states.device)
+            topk_ids = torch.zeros(num_tokens, cfg.top_k, dtype=torch.int64, device=device)
         if not isinstance(topk_weights, torch.Tensor) or not topk_weights.is_floating_point():
             problems.append(f"topk_weights must be a floating-point tensor, got {topk_weights!r:.80}")
-        elif topk_weights.device != hidden_states.device:
-            problems.append(f"topk_weights must be on {hidden_states.device} like hidden_states, "
-                            f"got {topk_weights.device}")
+        elif topk_weights.device != device:
+            problems.append(f"topk_weights must be on {device} like hidden_states, got {topk_weights.device}")
         elif tuple(topk_weights.shape) != (num_tokens, cfg.top_k):
             problems.append(f"topk_weights must have shape [{num_tokens}, {cfg.top_k}], "
                             f"got {list(topk_weights.shape)}")
-        if tokens_per_expert is not None and not isinstance(tokens_per_expert, torch.Tensor):
+        if isinstance(tokens_per_expert, torch.Tensor) and not is_integer_tensor(tokens_per_expert):
+            problems.append("tokens_per_expert must be an integer tensor (counts), "
+                            f"got dtype={tokens_per_expert.dtype}")
+            tokens_per_expert = None
+        elif tokens_per_expert is not None and not isinstance(tokens_per_expert, torch.Tensor):
             problems.append("tokens_per_expert must be None or a tensor, "
                             f"got {type(tokens_per_expert).__name__}")
             tokens_per_expert = None
-        # The lease covers the plan too: its collective must not interleave with another call's.
-        with workspace.lease("forward"):
-            plan = build_route_plan(self._routing, topk_ids, num_tokens, tokens_per_expert, problems,
-                                    _grad_needs(hidden_states, topk_weights, gate_up, down))
+        needs = GradNeeds() if problems else _grad_needs(hidden_states, topk_weights, gate_up, down)
+        group = self._resource_group
+        workspace: MoeWorkspace | None = None if group is None else group.resources
+        with ExitStack() as held:
+            if workspace is not None:  # the lease also covers the plan: its collective must not
+                held.enter_context(workspace.lease("forward"))  # interleave with another call's
+            plan = build_route_plan(self._routing, topk_ids, num_tokens, tokens_per_expert, problems, needs)
+            if workspace is None:  # the first call binds, collectively, once its inputs are agreed on
+                workspace = self._get_execution_resources(hidden_states)
+                held.enter_context(workspace.lease("forward"))
             flat = hidden_states.reshape(num_tokens, cfg.hidden_size)
             out = MoeExpertsFunction.apply(flat, topk_weights, gate_up, down, plan, workspace, self._math)
         return out.view(hidden_states.shape)

@@ -78,12 +78,16 @@ class RoutingSetup:
         return self.num_experts // self.ep_size
 
 
+def is_integer_tensor(tensor: torch.Tensor) -> bool:
+    return not (tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool)
+
+
 def _input_problems(
     setup: RoutingSetup, topk_ids: torch.Tensor, num_tokens: int, tokens_per_expert: torch.Tensor | None,
 ) -> tuple[list[str], torch.Tensor | None, torch.Tensor | None]:
     """(problems, per-(chunk, expert) counts, per-row sort keys); no counts when there are problems."""
     problems: list[str] = []
-    if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool or topk_ids.is_complex():
+    if not is_integer_tensor(topk_ids):
         problems.append(f"topk_ids must be an integer tensor, got dtype={topk_ids.dtype}")
         return problems, None, None
     if tuple(topk_ids.shape) != (num_tokens, setup.top_k):
@@ -119,6 +123,14 @@ def _chunk_of_rows(num_tokens: int, top_k: int, chunks: int, device: torch.devic
     sizes = torch.tensor([(bounds[c + 1] - bounds[c]) * top_k for c in range(chunks)], device=device)
     return torch.repeat_interleave(torch.arange(chunks, device=device), sizes,
                                    output_size=num_tokens * top_k)
+
+
+def _exchange_device(setup: RoutingSetup) -> torch.device:
+    if setup.ep_size == 1 or str(dist.get_backend(setup.group)) == "gloo":
+        return torch.device("cpu")
+    accelerator = torch.accelerator.current_accelerator()
+    assert accelerator is not None, "a non-gloo backend without an accelerator"
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
 
 
 def _exchange_header(setup: RoutingSetup, header: torch.Tensor) -> torch.Tensor:
@@ -167,13 +179,15 @@ def build_route_plan(setup: RoutingSetup, topk_ids: torch.Tensor, num_tokens: in
     ``caller_problems`` are input errors the caller found (shapes, dtypes): they are
     raised on every EP rank instead of only here, so no rank hangs in the next collective.
     """
-    problems, counts, keys = _input_problems(setup, topk_ids, num_tokens, tokens_per_expert)
+    try:
+        problems, counts, keys = _input_problems(setup, topk_ids, num_tokens, tokens_per_expert)
+    except Exception as exc:  # an input no check foresaw (sparse, meta): still rejected on every rank
+        problems = [f"topk_ids or tokens_per_expert cannot be read: {type(exc).__name__}: {exc}"]
+        counts = keys = None
     problems = list(caller_problems or []) + problems
-    if problems:
-        counts = None
     width = setup.chunks * setup.num_experts
-    if counts is None:
-        counts = torch.zeros(width, dtype=torch.int64, device=topk_ids.device)
+    if problems:  # this rank's tensors may be anywhere (even on meta): its header goes where it can
+        counts = torch.zeros(width, dtype=torch.int64, device=_exchange_device(setup))
     status = _BAD_INPUT if problems else _OK
     needs = grad_needs or GradNeeds()
     fixed = [status, num_tokens, int(needs.recording), int(needs.hidden), int(needs.expert_weights)]
