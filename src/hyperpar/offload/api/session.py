@@ -13,6 +13,7 @@ that place next time, after which the cycle replays without divergence.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 import time
@@ -33,6 +34,8 @@ from hyperpar.offload.capture import (
 )
 from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
 from hyperpar.offload.ir.report import StepReport
+from hyperpar.offload.planning.floor import BudgetFloor, budget_floor
+from hyperpar.offload.planning.sweep import deficit_warnings_muted
 from hyperpar.offload.runtime import (
     CopyEngine,
     HostPool,
@@ -64,6 +67,7 @@ class _Plan:
     schedule: ResidencySchedule
     program: ReplayProgram
     predicted_ms: float
+    floor: BudgetFloor
 
 
 def _signature(trace: ActivationTrace, keys: list[object]) -> int:
@@ -111,6 +115,8 @@ class OffloadSession:
         self._mode: OffloadDispatchMode | None = None
         self._token: contextvars.Token[OffloadSession | None] | None = None
         self._t0 = 0.0
+        self._budget_bytes = config.budget_bytes  # max_resident_fraction: resolved at the first trace
+        self._said_below_floor = False
 
     @classmethod
     def get_active(cls) -> OffloadSession | None:
@@ -151,7 +157,7 @@ class OffloadSession:
         m.clear()
         m.bytes_d2h = m.bytes_h2d = m.demand_faults = m.cap_hits = 0
         self._pool.new_step()
-        budget = self.config.budget_bytes
+        budget = self._budget_bytes
         plan = self._choose()
         self._came_from, self._running = self._prev, plan
         if plan is not None:
@@ -222,6 +228,9 @@ class OffloadSession:
             link = probe_link(self.device, self._manager.engine)
             self.link_bandwidth = link.as_dict()
             trace = executor.build_trace(link.d2h_gbps, link.h2d_gbps)
+            if self.config.max_resident_fraction is not None and not self._plans:
+                self._budget_bytes = self.config.budget_for_peak(trace.peak_bytes_without_offload())
+                trace.memory_limit_bytes = self._budget_bytes
             signature = _signature(trace, executor.keys)
             plan = self._plans.get(signature)
             if plan is None:
@@ -248,20 +257,27 @@ class OffloadSession:
             plan = None
         if plan is not None:
             self.trace, self.schedule = plan.trace, plan.schedule
+            plan.floor.annotate(report)
         if not (isinstance(executor, ReplayExecutor) and report.diverged_at is not None
                 and self.config.on_divergence == "raise"):
             self.phase = "warmup" if self._choose() is None else "replay"
         self.last_report = report
 
     def _new_plan(self, signature: int, trace: ActivationTrace, keys: list[object]) -> _Plan:
-        schedule = self.config.resolved_planner().build(trace)
+        floor = budget_floor(trace)
+        below_floor = floor.floor_bytes > trace.memory_limit_bytes
+        if below_floor and not self._said_below_floor:  # said once per session, the planners stay quiet
+            logger.warning("%s", floor.below_floor_message(trace.memory_limit_bytes))
+            self._said_below_floor = True
+        with deficit_warnings_muted() if below_floor else contextlib.nullcontext():
+            schedule = self.config.resolved_planner().build(trace)
         predicted = schedule.notes.get("predicted_step_ms")
         if not isinstance(predicted, (int, float)) or isinstance(predicted, bool):
             from hyperpar.offload.planning import simulate  # planning sits beside capture
 
             predicted = simulate(trace, schedule).predicted_step_ms
         plan = _Plan(signature, trace, schedule, ReplayProgram.build(trace, schedule, keys),
-                     float(predicted))
+                     float(predicted), floor)
         self._plans[signature] = plan
         while len(self._plans) > MAX_PLANS:
             old, _ = self._plans.popitem(last=False)
