@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -217,3 +218,16 @@ def test_gpu_runs_use_deterministic_kernels_and_restore_the_setting() -> None:
     assert torch.are_deterministic_algorithms_enabled() == before
     with demo_command._deterministic_kernels(torch.device("cpu")):
         assert torch.are_deterministic_algorithms_enabled() == before
+
+
+def test_a_budget_below_the_floor_is_said_once(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    with caplog.at_level(logging.WARNING):
+        assert main([*TINY, "--steps", "3", "--budget-fraction", "0.05", "--out", str(tmp_path)]) == 0
+    said = [r.getMessage() for r in caplog.records if "below the feasible floor" in r.getMessage()]
+    doc = json.loads((tmp_path / "demo.json").read_text())
+    floor = doc["runs"]["offload"]["min_feasible_budget_bytes"]
+    assert len(said) == 1 and f"floor of {floor / (1 << 20):.2f} MiB" in said[0]
+    assert not [r for r in caplog.records if "exceeds the budget" in r.getMessage()]
+    out = capsys.readouterr().out
+    assert "is below the feasible floor" in out  # the note under the table says why it is over

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from hyperpar.demo.dense import (
     DemoSpec,
@@ -192,7 +193,7 @@ def _run(args: argparse.Namespace, device: torch.device, t_start: float) -> int:
               f"({args.budget_fraction:.0%}, planner {args.planner}); feasible floor "
               f"{floor.floor_bytes / MIB:.2f} MiB (no schedule can go lower)")
         bar, on_step = _progress("plain, repeat, offload", args.steps)
-        with bar:
+        with bar, logging_redirect_tqdm():  # a warning (budget below the floor) gets its own line
             runs = train_side_by_side(spec, args.steps, budget_bytes=budget, planner=args.planner,
                                       on_step=on_step)
     runs.baseline.peak_activation_bytes = peak

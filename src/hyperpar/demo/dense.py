@@ -156,7 +156,11 @@ def _fill_offload_figures(result: RunResult, session: OffloadSession) -> None:
         result.predicted_step_ms = simulate(session.trace, session.schedule).predicted_step_ms
         result.notes.append("predicted step time: simulate(trace, schedule) (the report had none)")
     if report.overshoot_bytes:
-        result.notes.append(f"over budget by {report.overshoot_bytes} bytes at op {report.overshoot_op}")
+        floor = report.min_feasible_budget_bytes
+        why = (f": the budget is below the feasible floor of {floor / MIB:.2f} MiB, which no schedule can "
+               f"go under" if floor is not None and floor > report.budget_bytes else "")
+        result.notes.append(f"over budget by {report.overshoot_bytes / MIB:.2f} MiB at op "
+                            f"{report.overshoot_op}{why}")
     logger.info("offload run, last step: %s", report)
 
 
