@@ -270,7 +270,8 @@ def _save_offload_files(result: DemoResult, runs: SideBySide, out: Path, budget:
         return
     png = plot_resident_bytes(out / "resident_bytes.png", result.resident_bytes_plain,
                               result.resident_bytes_planned, budget,
-                              f"GPT {args.size}: budget {args.budget_fraction:.0%} of the activation peak")
+                              f"GPT {args.size}: budget {args.budget_fraction:.0%} of the activation peak",
+                              floor_bytes=runs.offload.min_feasible_budget_bytes)
     result.files["png"] = str(png)
 
 

@@ -106,10 +106,12 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "resident.png", out / "lanes.png"]
     title = f"{args.planner} planner, budget {trace.memory_limit_bytes / MIB:.0f} MiB"
-    plots.plot_resident(written[0], baseline.resident_bytes, sim, trace.memory_limit_bytes, title)
+    plots.plot_resident(written[0], baseline.resident_bytes, sim, trace.memory_limit_bytes, title,
+                        floor=floor.floor_bytes)
     plots.plot_lanes(written[1], sim, title)
     if points:
         written.append(out / "sweep.png")
-        plots.plot_sweep(written[2], points, f"memory vs overhead: {path.name}")
+        plots.plot_sweep(written[2], points, f"memory vs overhead: {path.name}",
+                         floor_fraction=floor.floor_bytes / peak if peak else None)
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
