@@ -12,6 +12,9 @@ import logging
 import sys
 from collections.abc import Sequence
 
+DESCRIPTION = ("hyperpar: planned activation offload and expert-parallel MoE for PyTorch. "
+               "Run 'hyperpar COMMAND --help' for the options of one command.")
+
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("hyperpar.commands.demo", "train a small GPT without/with offload and with MoE"),
@@ -21,7 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hyperpar", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="hyperpar", description=DESCRIPTION)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():

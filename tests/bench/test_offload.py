@@ -12,17 +12,19 @@ import torch
 from hyperpar.cli import main
 
 
-def test_quick_mode_writes_ratios_and_prediction_error(tmp_path: Path,
-                                                       capsys: pytest.CaptureFixture[str]) -> None:
-    out = tmp_path / "offload.json"
+def test_quick_mode_writes_ratios_and_prediction_error(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # without --out the JSON goes to ./hyperpar-bench/, never to the results
+    out = tmp_path / "hyperpar-bench" / "offload.json"
     threads = torch.get_num_threads()
     try:
-        assert main(["bench", "offload", "--quick", "--out", str(out)]) == 0
+        assert main(["bench", "offload", "--quick"]) == 0
     finally:
         torch.set_num_threads(threads)
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "offload" and doc["torch"] == torch.__version__
     assert doc["machine"]["cpu_count"] and "bench offload --quick" in doc["command"]
+    assert doc["command"].endswith("--out hyperpar-bench/offload.json")
     assert doc["plain_step_ms"] > 0 and len(doc["plain_step_ms_all"]) == doc["steps"] == 3
     peak, half = doc["replay_at_peak"], doc["replay_at_50"]
     assert peak["bytes_d2h"] == 0 and peak["demand_faults"] == 0  # nothing needs to move at the peak

@@ -10,14 +10,16 @@ import pytest
 from hyperpar.cli import main
 
 
-def test_quick_planner_benchmark(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    out = tmp_path / "planner.json"
-    assert main(["bench", "planner", "--quick", "--out", str(out)]) == 0
+def test_quick_planner_benchmark(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # without --out the JSON goes to ./hyperpar-bench/, never to the results
+    assert main(["bench", "planner", "--quick"]) == 0
+    out = tmp_path / "hyperpar-bench" / "planner.json"
     printed = capsys.readouterr().out
     assert "assumptions:" in printed and "GB/s" in printed
     assert "median exposed wait timed/greedy" in printed
     doc = json.loads(out.read_text())
-    assert doc["command"] == "hyperpar bench planner --quick"
+    assert doc["command"] == "hyperpar bench planner --quick --out hyperpar-bench/planner.json"
     assert doc["torch"] and doc["machine"]["platform"] and doc["assumptions"]
     assert set(doc["models"]) == {"hyperpar-gpt", "cnn"}
     for model in doc["models"].values():

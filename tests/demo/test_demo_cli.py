@@ -20,7 +20,8 @@ def test_demo_two_steps_losses_bitwise_equal(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads((out / "demo.json").read_text())
     runs = doc["runs"]
-    assert sorted(runs) == ["baseline", "moe x2", "offload"]
+    assert sorted(runs) == ["baseline", "moe x2", "offload", "repeat"]
+    assert doc["plain_repeats"] is True and runs["repeat"]["losses_hex"] == runs["baseline"]["losses_hex"]
     base, off, moe = runs["baseline"], runs["offload"], runs["moe x2"]
     # the claim of the demo: bitwise-equal losses (their exact bits are in the file) and weights
     assert len(base["losses_hex"]) == 2
@@ -35,7 +36,7 @@ def test_demo_two_steps_losses_bitwise_equal(tmp_path: Path) -> None:
     assert any("replicas in sync: yes" in n for n in moe["notes"])
     # the table, the files
     assert "bitwise" in proc.stdout and "DIFFERENT" not in proc.stdout
-    for bar in ("baseline:", "offload:", "moe x2:"):  # one progress bar per run, finished
+    for bar in ("plain, repeat, offload:", "moe x2:"):  # one progress bar per launch, finished
         assert any(bar in line and "100%" in line for line in proc.stderr.replace("\r", "\n").splitlines())
     assert (out / "resident_bytes.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert ActivationTrace.load(out / "trace.json").num_ops == replay["op_count"]

@@ -1,1 +1,1 @@
-"""Benchmarks run by ``hyperpar bench``; results go to benchmarks/results/*.json."""
+"""Benchmarks run by ``hyperpar bench``; JSON goes to ``./hyperpar-bench/`` unless ``--out`` is given."""

@@ -7,7 +7,7 @@ machine's state affects both alike:
 2. a do-nothing TorchDispatchMode: the floor any interception pays, for comparison with 1;
 3. budget = 50 % of the peak with the thread copy engine: measured replay step time vs the
    simulator's ``predicted_step_ms`` for the schedule (goal: within 25 %).
-Writes ``benchmarks/results/offload.json`` (or ``--out``) with machine, torch and command.
+Writes ``--out`` (default ``./hyperpar-bench/offload.json``) with machine, torch and command.
 ``--variant plain|replay|passthrough`` times one variant alone (nothing written), for
 whole-process timers run side by side from outside.
 """
@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=None, help="batch size (default 16; quick 4)")
     parser.add_argument("--variant", choices=VARIANTS, default="all",
                         help="time one variant alone (for whole-process timers); default: all, side by side")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/offload.json"))
+    parser.add_argument("--out", type=Path, default=Path("hyperpar-bench/offload.json"))
 
 
 def _model(quick: bool, batch: int | None) -> tuple[Callable[[], torch.Tensor], torch.nn.Module,

@@ -44,7 +44,7 @@ ASSUMPTIONS = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="two small models and a 20,000-op synthetic trace (CI smoke test, < 20 s)")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/planner.json"))
+    parser.add_argument("--out", type=Path, default=Path("hyperpar-bench/planner.json"))
     parser.add_argument("--plots", type=Path, default=None,
                         help="also write each model's memory-vs-overhead sweep plot here (PNG)")
     parser.add_argument("--traces", type=Path, default=None,
@@ -234,7 +234,9 @@ def _run(args: argparse.Namespace) -> int:
     _print_table(results, synthetic, summary)
     doc = {
         "benchmark": "planner",
-        "command": "hyperpar bench planner" + (" --quick" if args.quick else ""),
+        "command": " ".join(["hyperpar bench planner", *(["--quick"] if args.quick else []),
+                             "--out", str(args.out),
+                             *(["--plots", str(args.plots)] if args.plots is not None else [])]),
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "cpus": os.cpu_count(), "python": platform.python_version()},
         "torch": torch.__version__,

@@ -1,13 +1,18 @@
 """``hyperpar bench offload|planner|moe``: each benchmark lives in ``hyperpar.bench.<name>``.
 
 A benchmark module exposes ``add_arguments(parser)`` and ``run(args) -> int`` like a
-command, and writes its JSON under ``benchmarks/results/`` (or ``--out``).
+command, with an ``--out`` option for its JSON. Whatever default it gives, the JSON goes
+to ``./hyperpar-bench/<name>.json`` unless ``--out`` says otherwise: the committed
+``benchmarks/results/*.json`` change only when a run is asked to write there.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+from pathlib import Path
+
+SCRATCH = Path("hyperpar-bench")
 
 BENCHMARKS = {
     "offload": "replay vs plain step time and memory on the package's GPT",
@@ -27,6 +32,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             if exc.name != f"hyperpar.bench.{name}":
                 raise
             p.set_defaults(_bench_missing=True)
+            continue
+        _scratch_out(p, name)
+
+
+def _scratch_out(parser: argparse.ArgumentParser, name: str) -> None:
+    default = SCRATCH / f"{name}.json"
+    out = next((a for a in parser._actions if a.dest == "out"), None)
+    if out is None:
+        raise RuntimeError(f"hyperpar.bench.{name} has no --out option")
+    out.default = default
+    out.help = (f"the JSON result (default {default}; benchmarks/results/{name}.json updates the "
+                f"committed results)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,10 +1,7 @@
-"""``hyperpar demo``: train a small GPT without offload, with offload, and with MoE on 2 ranks.
+"""hyperpar demo: train a small GPT plainly, with offload and with MoE on spawned ranks.
 
-Prints a progress bar per run, then a table (loss per step, peak activation bytes, bytes
-moved, step time, predicted vs measured), and writes ``demo.json``, the trace, the
-schedule and a PNG of resident bytes per op under ``--out``. Exit code 1 when the
-offload run's losses or final weights differ from the baseline's (they must be bitwise
-equal), or when the MoE run fails.
+Prints a progress bar, then tables (loss per step, memory, time), and writes demo.json,
+the trace, the schedule and a PNG of resident bytes per op under --out.
 """
 
 from __future__ import annotations
@@ -14,19 +11,23 @@ import contextlib
 import json
 import os
 import sys
+import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from hyperpar.demo.dense import (
     DemoSpec,
+    SideBySide,
     loss_differences,
     measure_activation_peak,
     planned_resident_bytes,
-    train_dense,
+    run_differences,
+    train_side_by_side,
     weight_differences,
 )
 from hyperpar.demo.moe_ranks import MoeRunError, MoeSettings, choose_backend, run_moe_ranks
@@ -35,9 +36,23 @@ from hyperpar.demo.results import DemoResult, RunResult
 from hyperpar.demo.table import render
 from hyperpar.models import GPTConfig
 from hyperpar.offload.api.config import resolve_device
+from hyperpar.offload.planning.floor import budget_floor
 
 SIZES = {"tiny": GPTConfig.tiny, "small": GPTConfig.small, "medium": GPTConfig.medium}
 MIB = 1 << 20
+
+# Exit codes: each names who is to blame, so that a failure never points at the wrong thing.
+EXIT_OK = 0
+EXIT_OFFLOAD_DIFFERS = 1  # offload changed the numbers: a hyperpar bug
+EXIT_USAGE = 2  # bad arguments
+EXIT_PLAIN_NOT_REPRODUCIBLE = 3  # plain PyTorch did not repeat itself: offload cannot be judged
+EXIT_MOE_FAILED = 4  # the MoE run on spawned ranks failed
+EXIT_CODES = f"""exit codes:
+  {EXIT_OK}  plain PyTorch repeated itself and offload matched it bit for bit (and MoE ran)
+  {EXIT_OFFLOAD_DIFFERS}  offload changed the losses or weights (a bug: please report it with demo.json)
+  {EXIT_USAGE}  bad arguments
+  {EXIT_PLAIN_NOT_REPRODUCIBLE}  two plain PyTorch runs of the same steps differed: offload not judged
+  {EXIT_MOE_FAILED}  the MoE run failed"""
 
 
 def _positive_int(text: str) -> int:
@@ -62,6 +77,13 @@ def _positive_float(text: str) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = textwrap.fill(
+        "Train a small GPT (built in, random data) three ways: plain PyTorch (twice, to check that it "
+        "repeats itself bit for bit), with offload at a fraction of the measured activation peak (losses "
+        "and weights must be bitwise equal to plain), and with an MoE feed-forward on spawned ranks. "
+        "Writes demo.json, the trace, the schedule and a PNG under --out.", 78)
+    parser.epilog = EXIT_CODES
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--device", default=None,
                         help="cpu, cuda, cuda:1, ... (default: the current accelerator, else cpu)")
     parser.add_argument("--steps", type=_positive_int, default=5, help="training steps per run (default 5)")
@@ -75,7 +97,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=_positive_int, default=8, help="sequences per step (default 8)")
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and batches (default 0)")
     parser.add_argument("--planner", choices=("greedy", "timed"), default="timed",
-                        help="offload planner (default greedy)")
+                        help="offload planner (default timed)")
+    parser.add_argument("--threads", type=_positive_int, default=1,
+                        help="torch threads for the plain and offload runs (default 1: with more, plain "
+                             "PyTorch is not bit-for-bit repeatable on every machine, and on a busy "
+                             "machine OpenMP spin-waiting makes steps many times slower; set "
+                             "OMP_WAIT_POLICY=PASSIVE if you raise it)")
     parser.add_argument("--moe-ranks", type=_positive_int, default=2,
                         help="ranks for the MoE run (default 2)")
     parser.add_argument("--timeout", type=_positive_float, default=120.0,
@@ -123,57 +150,74 @@ def _device_or_none(text: str | None) -> torch.device | None:
     return device if acc is not None and acc.type == device.type else None
 
 
+def _load() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):  # not on every platform
+        return None
+
+
 def run(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     device = _device_or_none(args.device)
     if device is None:
         print(f"hyperpar demo: --device must be cpu or an available accelerator, got {args.device!r}",
               file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     if args.out.exists() and not args.out.is_dir():
         print(f"hyperpar demo: --out must be a folder, got the file {str(args.out)!r}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return _run(args, device, t_start)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace, device: torch.device, t_start: float) -> int:
+    loads = [x for x in [_load()] if x is not None]
     cfg = SIZES[args.size]()
     spec = DemoSpec(cfg=cfg, batch_size=args.batch_size, seed=args.seed, device=device)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     print(f"hyperpar demo: GPT {args.size} ({cfg.n_layer} layers, d_model {cfg.d_model}, seq {cfg.seq_len}), "
-          f"batch {args.batch_size}, {args.steps} steps, device {device}, torch {torch.__version__}")
+          f"batch {args.batch_size}, {args.steps} steps, device {device}, {args.threads} torch thread(s), "
+          f"torch {torch.__version__}")
 
     with _deterministic_kernels(device):
-        peak, _ = measure_activation_peak(spec)
+        peak, trace = measure_activation_peak(spec)
+        floor = budget_floor(trace)
         budget = max(1, int(peak * args.budget_fraction))
         print(f"measured activation peak {peak / MIB:.2f} MiB -> offload budget {budget / MIB:.2f} MiB "
-              f"({args.budget_fraction:.0%}, planner {args.planner})")
-        bar, on_step = _progress("baseline", args.steps)
-        with bar:
-            baseline, base_model, _ = train_dense(spec, args.steps, on_step=on_step)
-        baseline.peak_activation_bytes = peak
-        bar, on_step = _progress("offload", args.steps)
-        with bar:
-            offload, off_model, session = train_dense(spec, args.steps, budget_bytes=budget,
-                                                      planner=args.planner, on_step=on_step)
-    assert session is not None
-    differences = loss_differences(baseline.losses, offload.losses)
-    losses_equal = not differences
-    weights_differ = weight_differences(base_model, off_model)
-    same_weights = not weights_differ
-    differences += weights_differ
-    plain, planned = planned_resident_bytes(session)
+              f"({args.budget_fraction:.0%}, planner {args.planner}); feasible floor "
+              f"{floor.floor_bytes / MIB:.2f} MiB (no schedule can go lower)")
+        bar, on_step = _progress("plain, repeat, offload", args.steps)
+        with bar, logging_redirect_tqdm():  # a warning (budget below the floor) gets its own line
+            runs = train_side_by_side(spec, args.steps, budget_bytes=budget, planner=args.planner,
+                                      on_step=on_step)
+    runs.baseline.peak_activation_bytes = peak
+    plain_differences = run_differences(runs, "baseline", "repeat")
+    differences = run_differences(runs, "baseline", "offload")
+    plain, planned = planned_resident_bytes(runs.session)
     result = DemoResult(
         settings={"size": args.size, "gpt": vars(cfg), "batch_size": args.batch_size, "steps": args.steps,
                   "seed": args.seed, "device": str(device), "budget_fraction": args.budget_fraction,
-                  "planner": args.planner, "torch": torch.__version__, "moe_ranks": 0 if args.no_moe
-                  else args.moe_ranks},
-        runs=[baseline, offload], losses_equal=losses_equal, weights_equal=same_weights,
+                  "planner": args.planner, "threads": args.threads, "cpus": os.cpu_count(),
+                  "torch": torch.__version__, "moe_ranks": 0 if args.no_moe else args.moe_ranks},
+        runs=[runs.baseline, runs.repeat, runs.offload],
+        losses_equal=not loss_differences(runs.baseline.losses, runs.offload.losses),
+        weights_equal=not weight_differences(runs.models["baseline"], runs.models["offload"]),
+        plain_repeats=not plain_differences, plain_differences=plain_differences,
         resident_bytes_plain=plain, resident_bytes_planned=planned, differences=differences)
-    _save_offload_files(result, session, out, budget, args)
+    _save_offload_files(result, runs, out, budget, args)
 
     moe_failed = False
     if not args.no_moe:
         moe_failed = not _run_moe(result, spec, args, device)
 
     result.total_s = time.perf_counter() - t_start
+    result.load_average = [*loads, *[x for x in [_load()] if x is not None]]
     (out / "demo.json").write_text(json.dumps(result.as_dict(), indent=2))
     result.files["json"] = str(out / "demo.json")
     print()
@@ -181,20 +225,39 @@ def run(args: argparse.Namespace) -> int:
     print()
     for what, path in sorted(result.files.items()):
         print(f"{what:>9}: {path}")
-    verdict = "bitwise equal" if losses_equal and same_weights else "DIFFERENT"
-    print(f"\nlosses and final weights with and without offload: {verdict}; "
-          f"total {result.total_s:.1f} s")
-    if not (losses_equal and same_weights):
-        print("error: offload changed the numbers; please report this with demo.json:", file=sys.stderr)
-        for line in differences[:20]:
+    return _verdict(result, args.threads, moe_failed)
+
+
+def _verdict(result: DemoResult, threads: int, moe_failed: bool) -> int:
+    """Print who is to blame, if anyone, and return the exit code."""
+    total = f"total {result.total_s:.1f} s"
+    if not result.plain_repeats:
+        print(f"\nplain PyTorch did not repeat itself: offload not judged; {total}")
+        hint = ("it ran on 1 thread, where plain PyTorch normally repeats: please report this with demo.json"
+                if threads == 1 else f"it ran on {threads} threads; plain PyTorch repeats bit for bit with "
+                "--threads 1 (the default)")
+        print(f"error: two plain PyTorch runs of the same steps from the same seed differ on this machine, "
+              f"so there is no fixed baseline to check offload against ({hint}). Not an offload problem. "
+              f"First differences:", file=sys.stderr)
+        for line in result.plain_differences[:10]:
             print(f"  {line}", file=sys.stderr)
-        return 1
-    return 1 if moe_failed else 0
+        return EXIT_PLAIN_NOT_REPRODUCIBLE
+    if result.differences:
+        print(f"\nlosses and final weights with and without offload: DIFFERENT (plain PyTorch repeated "
+              f"itself bit for bit); {total}")
+        print("error: offload changed the numbers although plain PyTorch repeats itself here; please report "
+              "this with demo.json:", file=sys.stderr)
+        for line in result.differences[:20]:
+            print(f"  {line}", file=sys.stderr)
+        return EXIT_OFFLOAD_DIFFERS
+    print(f"\nlosses and final weights with and without offload: bitwise equal (and plain PyTorch repeated "
+          f"itself bit for bit); {total}")
+    return EXIT_MOE_FAILED if moe_failed else EXIT_OK
 
 
-def _save_offload_files(result: DemoResult, session: object, out: Path, budget: int,
+def _save_offload_files(result: DemoResult, runs: SideBySide, out: Path, budget: int,
                         args: argparse.Namespace) -> None:
-    trace, schedule = getattr(session, "trace", None), getattr(session, "schedule", None)
+    trace, schedule = runs.session.trace, runs.session.schedule
     if trace is not None and schedule is not None:
         trace.save(out / "trace.json")
         schedule.save(out / "schedule.json")
@@ -203,11 +266,12 @@ def _save_offload_files(result: DemoResult, session: object, out: Path, budget: 
     if not result.resident_bytes_plain:
         return
     if not matplotlib_available():
-        result.runs[1].notes.append("no PNG: matplotlib is not installed (pip install 'hyperpar[plot]')")
+        runs.offload.notes.append("no PNG: matplotlib is not installed (pip install 'hyperpar[plot]')")
         return
     png = plot_resident_bytes(out / "resident_bytes.png", result.resident_bytes_plain,
                               result.resident_bytes_planned, budget,
-                              f"GPT {args.size}: budget {args.budget_fraction:.0%} of the activation peak")
+                              f"GPT {args.size}: budget {args.budget_fraction:.0%} of the activation peak",
+                              floor_bytes=runs.offload.min_feasible_budget_bytes)
     result.files["png"] = str(png)
 
 

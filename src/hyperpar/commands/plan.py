@@ -40,9 +40,10 @@ def _row(cells: list[str], widths: list[int]) -> str:
 def run(args: argparse.Namespace) -> int:
     from hyperpar.offload.ir import ActivationTrace, IRFormatError
     from hyperpar.offload.planning import simulate, verify
-    from hyperpar.offload.planning.bounds import min_feasible_budget, min_feasible_budget_timed
+    from hyperpar.offload.planning.bounds import min_feasible_budget_timed
     from hyperpar.offload.planning.emit import emit_schedule
-    from hyperpar.offload.planning.sweep import plan_point, sweep, with_budget
+    from hyperpar.offload.planning.floor import budget_floor
+    from hyperpar.offload.planning.sweep import deficit_warnings_muted, plan_point, sweep, with_budget
 
     path = Path(args.trace)
     if not path.is_file():
@@ -55,15 +56,17 @@ def run(args: argparse.Namespace) -> int:
         return 2
     trace = with_budget(trace, _budget_bytes(args.budget_mb, trace.memory_limit_bytes))
     baseline = simulate(trace, emit_schedule(trace, [], "none"))
-    point, schedule, sim = plan_point(trace, args.planner)
+    with deficit_warnings_muted():  # the table below says it
+        point, schedule, sim = plan_point(trace, args.planner)
     verify(trace, schedule)
 
     peak = baseline.peak_resident_bytes
-    floor, timed_floor = min_feasible_budget(trace), min_feasible_budget_timed(trace)
+    floor, timed_floor = budget_floor(trace), min_feasible_budget_timed(trace)
     print(f"trace {path}: {trace.num_ops} ops, {len(trace.storage_sizes)} storages, "
           f"peak without offload {peak / MIB:.1f} MiB; D2H {trace.d2h_bandwidth_gbps:g} GB/s, "
-          f"H2D {trace.h2d_bandwidth_gbps:g} GB/s; no budget below {floor / MIB:.1f} MiB can be met, "
-          f"nor below {timed_floor / MIB:.1f} MiB without compute waiting for copies")
+          f"H2D {trace.h2d_bandwidth_gbps:g} GB/s; no budget below {floor.floor_bytes / MIB:.1f} MiB can be "
+          f"met, nor below {timed_floor / MIB:.1f} MiB without compute waiting for copies")
+    print(f"  {floor.describe()}")
     head = ["planner", "budget MiB", "peak MiB", "step ms", "overhead", "wait ms", "moved MiB", "plan s"]
     widths = [8, 11, 10, 10, 9, 9, 10, 7]
     budget = f"{trace.memory_limit_bytes / MIB:.1f}"
@@ -91,9 +94,9 @@ def run(args: argparse.Namespace) -> int:
                        progress=lambda jobs: tqdm(jobs, desc="sweep", unit="plan", file=sys.stderr))
         print()
         print(_row(["budget", "greedy ovh", "timed ovh", "greedy over", "timed over"], [7, 11, 10, 12, 11]))
+        by_job = {(p.planner, p.budget_fraction): p for p in points}
         for f in fractions:
-            g = next(p for p in points if p.planner == "greedy" and p.budget_fraction >= f - 1e-9)
-            t = next(p for p in points if p.planner == "timed" and p.budget_fraction >= f - 1e-9)
+            g, t = by_job["greedy", f], by_job["timed", f]
             print(_row([f"{100 * f:.0f}%", f"{100 * g.overhead:.1f}%", f"{100 * t.overhead:.1f}%",
                         f"{g.deficit_bytes / MIB:.1f} MiB", f"{t.deficit_bytes / MIB:.1f} MiB"],
                        [7, 11, 10, 12, 11]))
@@ -103,10 +106,12 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "resident.png", out / "lanes.png"]
     title = f"{args.planner} planner, budget {trace.memory_limit_bytes / MIB:.0f} MiB"
-    plots.plot_resident(written[0], baseline.resident_bytes, sim, trace.memory_limit_bytes, title)
+    plots.plot_resident(written[0], baseline.resident_bytes, sim, trace.memory_limit_bytes, title,
+                        floor=floor.floor_bytes)
     plots.plot_lanes(written[1], sim, title)
     if points:
         written.append(out / "sweep.png")
-        plots.plot_sweep(written[2], points, f"memory vs overhead: {path.name}")
+        plots.plot_sweep(written[2], points, f"memory vs overhead: {path.name}",
+                         floor_fraction=floor.floor_bytes / peak if peak else None)
     print("wrote " + ", ".join(str(p) for p in written))
     return 0

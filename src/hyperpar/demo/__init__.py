@@ -3,7 +3,7 @@
 Library code (it logs, never prints); the command in :mod:`hyperpar.commands.demo` prints.
 """
 
-from hyperpar.demo.dense import DemoSpec, measure_activation_peak, train_dense
+from hyperpar.demo.dense import DemoSpec, SideBySide, measure_activation_peak, train_dense, train_side_by_side
 from hyperpar.demo.moe_ranks import MoeRunError, run_moe_ranks
 from hyperpar.demo.results import DemoResult, RunResult
 
@@ -12,7 +12,9 @@ __all__ = [
     "DemoSpec",
     "MoeRunError",
     "RunResult",
+    "SideBySide",
     "measure_activation_peak",
     "run_moe_ranks",
     "train_dense",
+    "train_side_by_side",
 ]

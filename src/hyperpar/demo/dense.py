@@ -1,11 +1,14 @@
 """The dense GPT runs of the demo: a plain baseline and the same steps under an OffloadSession.
 
-Both runs build the model from the same seed and draw the same batches, so with offload
-the losses and the final weights must come out bitwise equal to the baseline's.
+Every run builds the model from the same seed and draws the same batches, so with offload
+the losses and the final weights must come out bitwise equal to the baseline's, provided
+plain PyTorch itself repeats bit for bit on this machine: the demo trains plain twice to
+check that before it judges offload.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -57,41 +60,85 @@ def measure_activation_peak(spec: DemoSpec) -> tuple[int, ActivationTrace]:
     return session.last_report.peak_resident_bytes, session.trace
 
 
+class _DenseRun:
+    """One model, its optimizer and, for an offload run, the session its steps run in."""
+
+    def __init__(self, spec: DemoSpec, name: str, budget_bytes: int | None, planner: str) -> None:
+        self.spec = spec
+        self.model = spec.build_model()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.lr)
+        self.session = None
+        if budget_bytes is not None:
+            self.session = OffloadSession(OffloadConfig(max_resident_activation_mb=budget_bytes / MIB,
+                                                        device=spec.device, planner=planner))
+        self.result = RunResult(name=name, losses=[], step_ms=[])
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """One training step; wall and CPU time cover forward, backward and the optimizer."""
+        _sync(self.spec.device)
+        t0, c0 = time.perf_counter(), time.process_time()
+        with self.session if self.session is not None else contextlib.nullcontext():
+            loss = self.model.loss(x, y)
+            loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        _sync(self.spec.device)
+        self.result.step_cpu_ms.append((time.process_time() - c0) * 1e3)
+        self.result.step_ms.append((time.perf_counter() - t0) * 1e3)
+        self.result.losses.append(float(loss.item()))
+        if self.session is not None and self.session.last_report is not None:
+            self.result.reports.append(self.session.last_report.as_dict())
+
+    def finish(self) -> None:
+        if self.session is not None:
+            _fill_offload_figures(self.result, self.session)
+
+
 def train_dense(
     spec: DemoSpec, steps: int, *, budget_bytes: int | None = None, planner: str = "timed",
     on_step: StepCallback | None = None,
 ) -> tuple[RunResult, GPT, OffloadSession | None]:
     """``budget_bytes=None``: plain PyTorch. Otherwise every step runs in one OffloadSession."""
-    model = spec.build_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr)
-    session = None
-    if budget_bytes is not None:
-        config = OffloadConfig(max_resident_activation_mb=budget_bytes / MIB, device=spec.device,
-                               planner=planner)
-        session = OffloadSession(config)
-    result = RunResult(name="baseline" if session is None else "offload", losses=[], step_ms=[])
+    run = _DenseRun(spec, "baseline" if budget_bytes is None else "offload", budget_bytes, planner)
     for step, (x, y) in enumerate(spec.batches(steps)):
-        _sync(spec.device)
-        t0 = time.perf_counter()
-        if session is None:
-            loss = model.loss(x, y)
-            loss.backward()
-        else:
-            with session:
-                loss = model.loss(x, y)
-                loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        _sync(spec.device)
-        result.step_ms.append((time.perf_counter() - t0) * 1e3)
-        result.losses.append(float(loss.item()))
-        if session is not None and session.last_report is not None:
-            result.reports.append(session.last_report.as_dict())
+        run.step(x, y)
         if on_step is not None:
-            on_step(step, result.losses[-1])
-    if session is not None:
-        _fill_offload_figures(result, session)
-    return result, model, session
+            on_step(step, run.result.losses[-1])
+    run.finish()
+    return run.result, run.model, run.session
+
+
+@dataclass
+class SideBySide:
+    """The demo's three dense runs, trained step by step in turn."""
+
+    baseline: RunResult
+    repeat: RunResult  # plain PyTorch again: does it reproduce the baseline bit for bit?
+    offload: RunResult
+    models: dict[str, GPT]  # by run name
+    session: OffloadSession
+
+
+def train_side_by_side(
+    spec: DemoSpec, steps: int, *, budget_bytes: int, planner: str = "timed",
+    on_step: StepCallback | None = None,
+) -> SideBySide:
+    """Plain, plain again and offload, one step of each in turn (the first of each step
+    rotates), so that a busy machine slows all three alike and the plain run's own
+    repeatability is checked on the same batches. ``on_step`` gets the baseline's loss."""
+    runs = [_DenseRun(spec, "baseline", None, planner), _DenseRun(spec, "offload", budget_bytes, planner),
+            _DenseRun(spec, "repeat", None, planner)]
+    for step, (x, y) in enumerate(spec.batches(steps)):
+        for k in range(len(runs)):
+            runs[(step + k) % len(runs)].step(x, y)
+        if on_step is not None:
+            on_step(step, runs[0].result.losses[-1])
+    for run in runs:
+        run.finish()
+    base, off, again = runs
+    assert off.session is not None
+    return SideBySide(baseline=base.result, repeat=again.result, offload=off.result,
+                      models={r.result.name: r.model for r in runs}, session=off.session)
 
 
 def _fill_offload_figures(result: RunResult, session: OffloadSession) -> None:
@@ -104,11 +151,16 @@ def _fill_offload_figures(result: RunResult, session: OffloadSession) -> None:
     result.demand_faults = report.demand_faults
     result.exposed_wait_ms = report.exposed_wait_ms
     result.predicted_step_ms = report.predicted_step_ms
+    result.min_feasible_budget_bytes = report.min_feasible_budget_bytes
     if result.predicted_step_ms is None and session.trace is not None and session.schedule is not None:
         result.predicted_step_ms = simulate(session.trace, session.schedule).predicted_step_ms
         result.notes.append("predicted step time: simulate(trace, schedule) (the report had none)")
     if report.overshoot_bytes:
-        result.notes.append(f"over budget by {report.overshoot_bytes} bytes at op {report.overshoot_op}")
+        floor = report.min_feasible_budget_bytes
+        why = (f": the budget is below the feasible floor of {floor / MIB:.2f} MiB, which no schedule can "
+               f"go under" if floor is not None and floor > report.budget_bytes else "")
+        result.notes.append(f"over budget by {report.overshoot_bytes / MIB:.2f} MiB at op "
+                            f"{report.overshoot_op}{why}")
     logger.info("offload run, last step: %s", report)
 
 
@@ -119,6 +171,13 @@ def planned_resident_bytes(session: OffloadSession) -> tuple[list[int], list[int
     plain = session.trace.resident_bytes_without_offload()
     planned = simulate(session.trace, session.schedule).resident_bytes
     return plain, list(planned)
+
+
+def run_differences(runs: SideBySide, a: str, b: str) -> list[str]:
+    """What differs between two of the runs, losses then final weights; empty: bitwise equal."""
+    first, second = (getattr(runs, name) for name in (a, b))
+    return (loss_differences(first.losses, second.losses)
+            + weight_differences(runs.models[first.name], runs.models[second.name]))
 
 
 def weights_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:

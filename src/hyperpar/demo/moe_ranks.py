@@ -112,7 +112,8 @@ def run_moe_ranks(
         text = "\n".join(f"--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
         raise MoeRunError(f"the MoE run failed on {len(errors)} of {world_size} ranks:\n{text}")
     first = done[0]
-    result = RunResult(name=f"moe x{world_size}", losses=first["losses"], step_ms=first["step_ms"])
+    result = RunResult(name=f"moe x{world_size}", losses=first["losses"], step_ms=first["step_ms"],
+                       step_cpu_ms=first["step_cpu_ms"])
     result.notes.append(
         f"MoE: {settings.num_experts} experts, top-{settings.top_k}, {world_size} ranks over "
         f"{settings.backend}, workspace {first['workspace_bytes']} bytes shared by {settings.cfg.n_layer} "
@@ -182,10 +183,11 @@ def _train(rank: int, world_size: int, s: MoeSettings, messages: Any) -> dict[st
     gen = torch.Generator().manual_seed(s.seed + 1 + 7919 * rank)
     losses: list[float] = []
     step_ms: list[float] = []
+    step_cpu_ms: list[float] = []
     try:
         for step in range(s.steps):
             x, y = random_batch(s.cfg, s.batch_size, gen, device)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             loss = model.loss(x, y)
             (loss / world_size).backward()  # expert grads then match the averaged loss
             _sum_gradients(replicated)
@@ -194,6 +196,7 @@ def _train(rank: int, world_size: int, s: MoeSettings, messages: Any) -> dict[st
             mean_loss = loss.detach().clone()
             dist.all_reduce(mean_loss)
             step_ms.append((time.perf_counter() - t0) * 1e3)
+            step_cpu_ms.append((time.process_time() - c0) * 1e3)
             losses.append(float(mean_loss.item()) / world_size)
             if rank == 0:
                 messages.put(("step", rank, (step, losses[-1])))
@@ -202,7 +205,8 @@ def _train(rank: int, world_size: int, s: MoeSettings, messages: Any) -> dict[st
     finally:
         for e in experts:  # the same order on every rank, after the last backward
             e.close()
-    return {"losses": losses, "step_ms": step_ms, "replicas_in_sync": in_sync, "workspace_bytes": workspace}
+    return {"losses": losses, "step_ms": step_ms, "step_cpu_ms": step_cpu_ms, "replicas_in_sync": in_sync,
+            "workspace_bytes": workspace}
 
 
 def _sum_gradients(params: list[torch.nn.Parameter]) -> None:

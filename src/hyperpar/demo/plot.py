@@ -19,8 +19,9 @@ def matplotlib_available() -> bool:
 
 
 def plot_resident_bytes(path: Path, plain: Sequence[int], planned: Sequence[int], budget_bytes: int,
-                        title: str) -> Path:
-    """Writes ``path``; raises ImportError when matplotlib is missing (the caller decides)."""
+                        title: str, floor_bytes: int | None = None) -> Path:
+    """Writes ``path``; raises ImportError when matplotlib is missing (the caller decides).
+    ``floor_bytes``: the feasible floor, drawn when given."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, never a window
@@ -33,6 +34,8 @@ def plot_resident_bytes(path: Path, plain: Sequence[int], planned: Sequence[int]
         ax.plot(range(len(planned)), [b / MIB for b in planned], label="with the plan (simulated)",
                 color="tab:blue")
         ax.axhline(budget_bytes / MIB, color="tab:red", linestyle="--", label="budget")
+        if floor_bytes is not None:
+            ax.axhline(floor_bytes / MIB, color="tab:gray", linestyle=":", label="feasible floor")
         ax.set_xlabel("op (forward, then backward)")
         ax.set_ylabel("resident activation MiB")
         ax.set_title(title)

@@ -45,6 +45,9 @@ class OffloadConfig:
     verify: bool = False  # checksum every host copy at D2H, check it when the bytes come back
     copy_engine: Any = "auto"  # "auto" | "sync" | "thread" | "stream" | an engine object (tests)
     timeline: bool = False  # record replay op times for export_chrome_trace (costs ~2 us per op)
+    # Budget as a fraction of the activation peak the first warmup measures (the trace's peak
+    # without offload); that first step runs under max_resident_activation_mb. None: off.
+    max_resident_fraction: float | None = None
 
     def __post_init__(self) -> None:
         _check_mb("max_resident_activation_mb", self.max_resident_activation_mb)
@@ -84,10 +87,23 @@ class OffloadConfig:
                             f"copy_d2h/copy_h2d, got {self.copy_engine!r}")
         if not isinstance(self.timeline, bool):
             raise TypeError(f"OffloadConfig.timeline must be a bool, got {self.timeline!r}")
+        fraction = self.max_resident_fraction
+        if fraction is not None:
+            if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+                raise TypeError(f"OffloadConfig.max_resident_fraction must be None or a number in (0, 1], "
+                                f"got {fraction!r}")
+            if not 0 < fraction <= 1:  # NaN fails this too
+                raise ValueError(f"OffloadConfig.max_resident_fraction must be in (0, 1], got {fraction!r}")
 
     @property
     def budget_bytes(self) -> int:
         return int(self.max_resident_activation_mb * MIB)
+
+    def budget_for_peak(self, peak_bytes: int) -> int:
+        """The budget once a peak is measured: the fraction of it when one is set."""
+        if self.max_resident_fraction is None:
+            return self.budget_bytes
+        return max(1, int(peak_bytes * self.max_resident_fraction))
 
     @property
     def offload_cap_bytes(self) -> int:

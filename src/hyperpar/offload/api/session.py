@@ -21,6 +21,7 @@ itself, so its plan exists at once.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -44,6 +45,8 @@ from hyperpar.offload.capture import (
 )
 from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
 from hyperpar.offload.ir.report import StepReport
+from hyperpar.offload.planning.floor import BudgetFloor, budget_floor
+from hyperpar.offload.planning.sweep import deficit_warnings_muted
 from hyperpar.offload.runtime import (
     CopyEngine,
     HostPool,
@@ -76,6 +79,7 @@ class _Plan:
     program: ReplayProgram
     predicted_ms: float
     total_bytes: int  # of every activation, at the sizes it was planned for
+    floor: BudgetFloor
 
 
 @dataclass(eq=False)
@@ -120,6 +124,8 @@ class OffloadSession:
         self._executor: ExecutorBase | None = None
         self._mode: OffloadDispatchMode | None = None
         self._t0 = 0.0
+        self._budget_bytes = config.budget_bytes  # max_resident_fraction: resolved at the first trace
+        self._said_below_floor = False
         self._bind_device(config.resolved_device())
 
     def _bind_device(self, device: torch.device) -> None:
@@ -201,7 +207,7 @@ class OffloadSession:
         m.clear()
         m.bytes_d2h = m.bytes_h2d = m.demand_faults = m.cap_hits = 0
         self._pool.new_step()
-        budget = self.config.budget_bytes
+        budget = self._budget_bytes
         plan = self._choose()
         self._came_from, self._running = self._prev, plan
         if plan is not None:
@@ -289,6 +295,9 @@ class OffloadSession:
                 self.link_bandwidth = link.as_dict()
             trace = executor.build_trace(link.d2h_gbps, link.h2d_gbps)
             keys = executor.keys
+            if trace is not None and self.config.max_resident_fraction is not None and not self._structures:
+                self._budget_bytes = self.config.budget_for_peak(trace.peak_bytes_without_offload())
+                trace.memory_limit_bytes = self._budget_bytes
         if isinstance(executor, ReplayExecutor):
             assert self._running is not None
             report.predicted_step_ms = self._running.predicted_ms
@@ -309,6 +318,7 @@ class OffloadSession:
         self._structures[plan.signature].last = plan
         self._learn(plan.signature)
         self.trace, self.schedule = plan.trace, plan.schedule
+        plan.floor.annotate(report)
         self.phase = "warmup" if self._choose() is None else "replay"
         self.last_report = report
 
@@ -361,14 +371,20 @@ class OffloadSession:
               structure: ReplayProgram | None) -> _Plan:
         from hyperpar.offload.planning import simulate  # planning sits beside capture
 
-        schedule = self.config.resolved_planner().build(trace)
+        floor = budget_floor(trace)
+        below_floor = floor.floor_bytes > trace.memory_limit_bytes
+        if below_floor and not self._said_below_floor:  # said once per session, the planners stay quiet
+            logger.warning("%s", floor.below_floor_message(trace.memory_limit_bytes))
+            self._said_below_floor = True
+        with deficit_warnings_muted() if below_floor else contextlib.nullcontext():
+            schedule = self.config.resolved_planner().build(trace)
         sim = simulate(trace, schedule)
         predicted = schedule.notes.get("predicted_step_ms")
         if not isinstance(predicted, (int, float)) or isinstance(predicted, bool):
             predicted = sim.predicted_step_ms
         program = ReplayProgram.build(trace, schedule, keys, sim.resident_bytes, structure)
         return _Plan(signature, trace, schedule, program, float(predicted),
-                     sum(trace.storage_sizes.values()))
+                     sum(trace.storage_sizes.values()), floor)
 
     def _learn(self, signature: int) -> None:
         if self._came_from is not None and self._came_from in self._structures:

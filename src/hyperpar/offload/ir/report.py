@@ -27,6 +27,11 @@ class StepReport:
     overshoot_op: int | None = None
     offload_cap_hits: int = 0
     diverged_at: int | None = None  # first op that did not match the trace (replay)
+    # The plan's trace: the least budget any schedule can meet, and its two unmovable parts
+    # at the op where it is reached (None before a plan exists). planning.floor fills them.
+    min_feasible_budget_bytes: int | None = None
+    unmovable_retained_bytes: int | None = None  # kept after the step: parameter .grad, loss, outputs
+    unmovable_working_set_bytes: int | None = None  # what that op itself reads and writes
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -44,6 +49,10 @@ class StepReport:
             text += f", {self.offload_cap_hits} host cap hits"
         if self.diverged_at is not None:
             text += f", diverged at op {self.diverged_at}"
+        if self.min_feasible_budget_bytes is not None:
+            text += (f", floor {self.min_feasible_budget_bytes / mib:.1f} MiB "
+                     f"({(self.unmovable_retained_bytes or 0) / mib:.1f} retained + "
+                     f"{(self.unmovable_working_set_bytes or 0) / mib:.1f} working set)")
         return text
 
     @classmethod

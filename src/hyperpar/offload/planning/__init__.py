@@ -2,6 +2,7 @@
 
 from hyperpar.offload.planning.base import Planner
 from hyperpar.offload.planning.bounds import min_feasible_budget, min_resident_bytes
+from hyperpar.offload.planning.floor import BudgetFloor, budget_floor
 from hyperpar.offload.planning.greedy import GreedyPlanner
 from hyperpar.offload.planning.registry import PLANNER_NAMES, get_planner
 from hyperpar.offload.planning.simulate import SimResult, simulate
@@ -10,11 +11,13 @@ from hyperpar.offload.planning.verify import ScheduleError, verify
 
 __all__ = [
     "PLANNER_NAMES",
+    "BudgetFloor",
     "GreedyPlanner",
     "Planner",
     "ScheduleError",
     "SimResult",
     "TimedPlanner",
+    "budget_floor",
     "get_planner",
     "min_feasible_budget",
     "min_resident_bytes",

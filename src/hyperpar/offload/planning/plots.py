@@ -22,7 +22,9 @@ def _pyplot() -> ModuleType:
     return plt
 
 
-def plot_resident(path: Path, without: Sequence[int], planned: SimResult, budget: int, title: str) -> None:
+def plot_resident(path: Path, without: Sequence[int], planned: SimResult, budget: int, title: str,
+                  floor: int | None = None) -> None:
+    """``floor``: the feasible floor (``budget_floor``), drawn when given: no plan goes under it."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(10, 4))
     ops = range(len(without))
@@ -30,6 +32,8 @@ def plot_resident(path: Path, without: Sequence[int], planned: SimResult, budget
     ax.plot(ops, [b / scale for b in without], label="no offload", color="0.6", lw=1)
     ax.plot(ops, [b / scale for b in planned.resident_bytes], label="planned (simulated)", color="C0", lw=1)
     ax.axhline(budget / scale, color="C3", ls="--", lw=1, label="budget")
+    if floor is not None:
+        ax.axhline(floor / scale, color="0.3", ls=":", lw=1, label="feasible floor")
     ax.set_xlabel("op")
     ax.set_ylabel(f"resident activations ({unit})")
     ax.set_title(title)
@@ -61,7 +65,9 @@ def plot_lanes(path: Path, sim: SimResult, title: str) -> None:
     plt.close(fig)
 
 
-def plot_sweep(path: Path, points: Sequence[PlanPoint], title: str) -> None:
+def plot_sweep(path: Path, points: Sequence[PlanPoint], title: str,
+               floor_fraction: float | None = None) -> None:
+    """``floor_fraction``: the feasible floor over the peak, drawn when given."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for i, planner in enumerate(sorted({p.planner for p in points})):
@@ -72,6 +78,8 @@ def plot_sweep(path: Path, points: Sequence[PlanPoint], title: str) -> None:
         if over:
             ax.scatter([100 * p.budget_fraction for p in over], [100 * p.overhead for p in over],
                        marker="x", color="C3", zorder=3, label=f"{planner}: over budget")
+    if floor_fraction is not None:
+        ax.axvline(100 * floor_fraction, color="0.3", ls=":", lw=1, label="feasible floor")
     ax.set_xlabel("budget (% of the peak without offload)")
     ax.set_ylabel("predicted step-time overhead (%)")
     ax.set_title(title)

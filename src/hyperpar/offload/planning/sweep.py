@@ -2,23 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 
 from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
-from hyperpar.offload.planning import prediction
+from hyperpar.offload.planning import prediction, timed
 from hyperpar.offload.planning.registry import get_planner
 from hyperpar.offload.planning.simulate import SimResult, simulate
+
+# The loggers that say "plan exceeds the budget": every planner reports through one of them.
+DEFICIT_LOGGERS = (prediction.__name__, timed.__name__)
 
 
 @dataclass(frozen=True)
 class PlanPoint:
     planner: str
     budget_bytes: int
-    budget_fraction: float  # of the peak without offload
+    budget_fraction: float  # of the peak without offload (the fraction asked for, in a sweep)
     predicted_peak_bytes: int
     deficit_bytes: int
     predicted_step_ms: float
@@ -41,7 +45,24 @@ def with_budget(trace: ActivationTrace, budget_bytes: int) -> ActivationTrace:
     return out
 
 
-def plan_point(trace: ActivationTrace, planner: str) -> tuple[PlanPoint, ResidencySchedule, SimResult]:
+@contextlib.contextmanager
+def deficit_warnings_muted() -> Iterator[None]:
+    """For callers that report the deficit themselves (a sweep's table, ``hyperpar plan``)."""
+    loggers = [logging.getLogger(name) for name in DEFICIT_LOGGERS]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for log, level in zip(loggers, levels, strict=True):
+            log.setLevel(level)
+
+
+def plan_point(trace: ActivationTrace, planner: str, budget_fraction: float | None = None,
+               ) -> tuple[PlanPoint, ResidencySchedule, SimResult]:
+    """``budget_fraction``: the fraction of the peak the budget was made from, when it was
+    (``int(peak * f) / peak`` is a little less than ``f``: a table must not round it away)."""
     started, cpu_started = time.perf_counter(), time.process_time()
     schedule = get_planner(planner).build(trace)
     seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
@@ -50,7 +71,8 @@ def plan_point(trace: ActivationTrace, planner: str) -> tuple[PlanPoint, Residen
     point = PlanPoint(
         planner=planner,
         budget_bytes=trace.memory_limit_bytes,
-        budget_fraction=trace.memory_limit_bytes / peak if peak else 1.0,
+        budget_fraction=(budget_fraction if budget_fraction is not None
+                         else trace.memory_limit_bytes / peak if peak else 1.0),
         predicted_peak_bytes=sim.peak_resident_bytes,
         deficit_bytes=schedule.deficit_bytes,
         predicted_step_ms=sim.predicted_step_ms,
@@ -71,16 +93,13 @@ def sweep(
     fractions: Iterable[float],
     progress: Callable[[Iterable], Iterable] = lambda it: it,
 ) -> list[PlanPoint]:
-    """Budgets below what the trace allows are part of a sweep: their deficit warnings are muted."""
+    """One point per (fraction, planner), in that order; each point's ``budget_fraction`` is
+    the fraction asked for. Budgets below what the trace allows are part of a sweep: their
+    deficit warnings are muted (the points carry the deficit)."""
     peak = trace.peak_bytes_without_offload()
     jobs = [(f, p) for f in fractions for p in planners]
     points = []
-    deficit_log = logging.getLogger(prediction.__name__)
-    level = deficit_log.level
-    deficit_log.setLevel(logging.ERROR)
-    try:
+    with deficit_warnings_muted():
         for fraction, planner in progress(jobs):
-            points.append(plan_point(with_budget(trace, int(peak * fraction)), planner)[0])
-    finally:
-        deficit_log.setLevel(level)
+            points.append(plan_point(with_budget(trace, int(peak * fraction)), planner, fraction)[0])
     return points

@@ -1,0 +1,279 @@
+"""Every command in README.md and docs/*.md runs as written after the two set-up commands.
+
+The commands are read from the pages themselves: every line of a ``bash`` block, and every
+inline code span that starts with ``.venv/bin/``, ``bash``, ``python`` or ``torchrun`` and
+has arguments. A
+runnable command must be written so that it works from the repository root right after
+``bash scripts/demo.sh`` / ``bash scripts/test.sh`` (``.venv/bin/...`` or ``bash
+scripts/...``), and must be listed in ``KNOWN`` below with how it runs at a tiny size (or
+why it does not run here): a command added to the docs without an entry fails, and so does
+an entry whose command left the docs. Spans such as ``hyperpar bench moe`` name a command
+in prose; their subcommands and flags must exist.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import re
+import shlex
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from hyperpar.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+RUNNABLE = re.compile(r"(\.venv/bin/|bash |python3? |torchrun |pip )")
+AS_WRITTEN = (".venv/bin/", "bash scripts/")
+OUTPUT_FLAGS = ("--out", "--plots", "--traces")  # their values are sent to a scratch folder
+DEMO_SCRIPT_LAST_LINE = 'exec .venv/bin/hyperpar demo "$@"'
+# Seen once in ~40 torchrun runs under heavy load: gloo aborts a rank in process teardown,
+# after the example finished and printed its checks. That one signature gets one retry.
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+@dataclass(frozen=True)
+class Run:
+    """Run the command as written plus ``extra`` (tiny sizes; ``{tmp}`` is a scratch folder)."""
+
+    extra: tuple[str, ...] = ()
+    check: Callable[[str], None] | None = None  # on stdout
+    needs: str = ""  # "hf" (transformers) or "cuda"
+    before: tuple[str, ...] = ()  # run first, same rules (e.g. make the trace a command reads)
+    rewrite: dict[str, str] = field(default_factory=dict)  # token -> token, after {tmp} is filled
+
+
+@dataclass(frozen=True)
+class Skip:
+    reason: str
+
+
+def _quickstart(out: str) -> None:
+    lines = out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["warmup", "replay", "replay"]
+    for line in lines[1:]:
+        peak, budget = (float(x.split()[0]) for x in line.split("peak ")[1].split(" / budget "))
+        assert peak <= budget == 16.0 and "0 faults" in line
+
+
+def _hf_llama(out: str) -> None:
+    assert "bitwise equal: True" in out and out.count("replay:") == 1 and out.count("warmup:") == 1
+
+
+def _moe_torchrun(out: str) -> None:
+    for rank in (0, 1):
+        assert f"rank {rank}: layer 0 matches the dense reference: True" in out
+        assert f"rank {rank}: step 1 loss" in out
+
+
+def _mixtral(out: str) -> None:
+    assert "output matches the original block" in out and "training losses" in out
+
+
+def _demo(out: str) -> None:
+    assert "bitwise equal (and plain PyTorch repeated itself bit for bit)" in out
+
+
+def _plan(out: str) -> None:
+    assert "peak without offload" in out and "greedy ovh" in out
+
+
+def _help(out: str) -> None:
+    assert "usage: hyperpar" in out
+
+
+TINY_DEMO = ("--size", "tiny", "--steps", "1", "--no-moe", "--out", "{tmp}/hyperpar-demo")
+
+KNOWN: dict[str, Run | Skip] = {
+    "bash scripts/demo.sh": Run(TINY_DEMO, _demo),  # ends in `exec .venv/bin/hyperpar demo "$@"`
+    "bash scripts/demo.sh --steps 2 --no-moe": Run(TINY_DEMO, _demo),
+    "bash scripts/test.sh": Skip("it runs this test suite (.ci/run calls it)"),
+    ".venv/bin/hyperpar demo": Run(TINY_DEMO, _demo),
+    ".venv/bin/hyperpar demo --device cuda": Run(TINY_DEMO, _demo, needs="cuda"),
+    ".venv/bin/python -m hyperpar": Run(("--help",), _help),
+    ".venv/bin/hyperpar plan hyperpar-demo/trace.json --sweep": Run(
+        ("--out", "{tmp}/plan"), _plan, before=(".venv/bin/hyperpar", "demo", *TINY_DEMO),
+        rewrite={"hyperpar-demo/trace.json": "{tmp}/hyperpar-demo/trace.json"}),
+    ".venv/bin/python examples/offload_quickstart.py": Run((), _quickstart),
+    ".venv/bin/python examples/offload_hf_llama.py": Run(("--size", "tiny", "--steps", "2"), _hf_llama, "hf"),
+    ".venv/bin/python examples/offload_hf_llama.py --size tiny": Run(("--steps", "2"), _hf_llama, "hf"),
+    ".venv/bin/torchrun --nproc-per-node 2 examples/moe_torchrun.py": Run(
+        ("--size", "tiny", "--steps", "2"), _moe_torchrun),
+    ".venv/bin/torchrun --nproc-per-node 2 examples/moe_torchrun.py --size tiny": Run(
+        ("--steps", "2"), _moe_torchrun),
+    ".venv/bin/torchrun --nproc-per-node 2 examples/moe_hf_mixtral.py": Run((), _mixtral, "hf"),
+    ".venv/bin/hyperpar bench offload --steps 15 --threads 1 --out benchmarks/results/offload.json": Run(
+        ("--quick", "--steps", "2")),
+    ".venv/bin/hyperpar bench planner --out benchmarks/results/planner.json --plots benchmarks/results": Run(
+        ("--quick",)),
+    ".venv/bin/python benchmarks/gpu/run.py": Skip(
+        "tests/benchmarks/test_gpu_script.py runs it as written at --device cpu --size tiny"),
+    ".venv/bin/python -m pytest -q tests/reliability": Skip("a part of this test suite"),
+    ".venv/bin/python -m pytest -q tests/reliability --durations=10": Skip("a part of this test suite"),
+}
+
+
+def _spans(text: str) -> tuple[list[str], list[str]]:
+    """(runnable commands, named hyperpar commands) of one page, in order."""
+    runnable: list[str] = []
+    for lang, body in re.findall(r"```(\w*)\n(.*?)```", text, flags=re.S):
+        for line in body.splitlines():
+            line = re.sub(r"\s+#.*$", "", line).strip()
+            if line and (lang in ("bash", "sh", "shell") or RUNNABLE.match(line)):
+                runnable.append(line)
+    named: list[str] = []
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    for span in re.findall(r"`([^`\n]+)`", prose):
+        span = span.replace("\\|", "|").strip()
+        if RUNNABLE.match(span) and " " in span:  # a bare program name is prose, not a command
+            runnable.append(span)
+        elif span.startswith("hyperpar ") and not span.startswith("hyperpar."):
+            named.append(span)
+    return runnable, named
+
+
+def documented() -> tuple[dict[str, str], dict[str, str]]:
+    """command -> the first page that shows it, for runnable and for named commands."""
+    runnable: dict[str, str] = {}
+    named: dict[str, str] = {}
+    for page in PAGES:
+        found_runnable, found_named = _spans(page.read_text())
+        for command in found_runnable:
+            runnable.setdefault(command, page.name)
+        for command in found_named:
+            named.setdefault(command, page.name)
+    return runnable, named
+
+
+def test_every_documented_command_runs_from_the_set_up_venv_and_is_known() -> None:
+    runnable, _ = documented()
+    not_as_written = {c: p for c, p in runnable.items() if not c.startswith(AS_WRITTEN)}
+    assert not not_as_written, ("write these as .venv/bin/... (they fail before the venv is activated): "
+                                f"{not_as_written}")
+    unknown = {c: p for c, p in runnable.items() if c not in KNOWN}
+    assert not unknown, f"add these to KNOWN with how they run at a tiny size: {unknown}"
+    stale = sorted(set(KNOWN) - set(runnable))
+    assert not stale, f"these KNOWN commands are no longer in the docs: {stale}"
+
+
+def test_demo_script_hands_its_arguments_to_the_demo() -> None:
+    lines = [line for line in (ROOT / "scripts" / "demo.sh").read_text().splitlines() if line.strip()]
+    assert lines[-1] == DEMO_SCRIPT_LAST_LINE
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def _options(parser: argparse.ArgumentParser) -> set[str]:
+    return {opt for action in parser._actions for opt in action.option_strings}
+
+
+def _check_hyperpar_words(words: list[str]) -> list[str]:
+    """Problems with ``hyperpar WORDS``: unknown subcommands or flags (values and placeholders
+    pass). ``a|b`` and ``a/b`` name alternatives."""
+    parsers = [build_parser()]
+    for word in (w.strip("[]") for w in words):
+        if word.startswith("-"):
+            flag = word.split("=")[0]
+            if not any(flag in _options(p) for p in parsers):
+                return [f"unknown flag {flag}"]
+            continue
+        subs = [_subparsers(p) for p in parsers]
+        if not all(subs):
+            continue  # a value or a placeholder
+        names = re.split(r"[|/]", word)
+        missing = [n for n in names for s in subs if n not in s]
+        if missing:
+            return [f"unknown command {missing}"]
+        parsers = [s[n] for s in subs for n in names]
+    return []
+
+
+def test_named_commands_and_their_flags_exist() -> None:
+    runnable, named = documented()
+    commands = {**{c: p for c, p in runnable.items() if c.startswith(".venv/bin/hyperpar ")}, **named}
+    assert len(commands) > 5
+    problems = {}
+    for command, page in commands.items():
+        found = _check_hyperpar_words(command.removeprefix(".venv/bin/").split()[1:])
+        if found:
+            problems[f"{page}: {command}"] = found
+    assert not problems
+
+
+def _bin() -> Path:
+    venv = ROOT / ".venv" / "bin"
+    return venv if venv.is_dir() else Path(sys.executable).parent
+
+
+def _argv(command: str, plan: Run, tmp: Path) -> list[str]:
+    words = shlex.split(command)
+    if words[:2] == ["bash", "scripts/demo.sh"]:  # the script installs, then runs exactly this
+        words = [".venv/bin/hyperpar", "demo", *words[2:]]
+    fill = {k: v.replace("{tmp}", str(tmp)) for k, v in plan.rewrite.items()}
+    words = [fill.get(w, w).replace("{tmp}", str(tmp)) for w in [*words, *plan.extra]]
+    for i in range(1, len(words)):
+        if words[i - 1] in OUTPUT_FLAGS and not words[i].startswith(str(tmp)):
+            words[i] = str(tmp / f"ignored-{Path(words[i]).name}")  # never the committed results
+    if words[0].startswith(".venv/bin/"):
+        words[0] = str(_bin() / words[0].removeprefix(".venv/bin/"))
+    return words
+
+
+def _run(argv: list[str]) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
+    if proc.returncode != 0 and TEARDOWN_ABORT in proc.stderr:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd=ROOT, env=env)
+    assert proc.returncode == 0, f"{argv} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+def _results_digest() -> str:
+    files = sorted((ROOT / "benchmarks" / "results").glob("*"))
+    return hashlib.sha256(b"".join(f.name.encode() + f.read_bytes() for f in files)).hexdigest()
+
+
+def _unique_runs() -> list[str]:
+    """One command per distinct run (a later flag overrides an earlier one, so the demo
+    written three ways runs once)."""
+    seen: dict[str, str] = {}
+    for command, plan in KNOWN.items():
+        if isinstance(plan, Run):
+            argv = _argv(command, plan, Path("/tmp"))
+            if Path(argv[0]).name == "hyperpar":
+                key = repr(sorted(vars(build_parser().parse_args(argv[1:])).items()))
+            else:
+                key = repr(argv)
+            seen.setdefault(key + repr(plan.before), command)
+    return sorted(seen.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", _unique_runs())
+def test_documented_command_runs_at_a_tiny_size(command: str, tmp_path: Path) -> None:
+    plan = KNOWN[command]
+    assert isinstance(plan, Run)
+    if plan.needs == "hf":
+        pytest.importorskip("transformers")
+    if plan.needs == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    before = _results_digest()
+    if plan.before:
+        _run(_argv(shlex.join(plan.before), Run(), tmp_path))
+    out = _run(_argv(command, plan, tmp_path))
+    if plan.check is not None:
+        plan.check(out)
+    assert _results_digest() == before, "a documented command changed benchmarks/results"
