@@ -58,7 +58,8 @@ def test_a_diverged_step_keeps_the_budget_and_reports_its_peak(rows: int, new_ro
     warm = _warmup_report(new_rows, budget)
     where = f"{rows} -> {new_rows} rows at budget {budget:.0f} B: diverged {diverged!r}, warmup {warm!r}"
     assert diverged.peak_resident_bytes > 0, f"peak 0 reported for a step that held bytes; {where}"
-    assert diverged.bytes_d2h > 0, f"nothing was evicted under a budget below the peak; {where}"
+    if warm.bytes_d2h:
+        assert diverged.bytes_d2h > 0, f"nothing was evicted under a budget below the peak; {where}"
     assert diverged.budget_bytes == int(budget), where
     if warm.overshoot_bytes == 0:  # feasible: the diverged step must keep the budget too
         assert diverged.peak_resident_bytes <= budget * SLACK, where

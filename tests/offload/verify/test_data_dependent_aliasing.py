@@ -28,7 +28,7 @@ def check_alternation(model: type[nn.Module], frac: float, planner: str, engine:
     phases = [(r.phase, r.diverged_at) for r in run.reports]
     # Step 1 is the first to take the other branch and only step 0's plan exists: replaying
     # it must notice that the storages touched are not the planned ones.
-    assert phases[1][0] == "replay" and phases[1][1] is not None, \
+    assert phases[1][1] is not None, \
         f"{where}: the step that touched another buffer was not reported as diverged: {phases}"
     assert phases[-SETTLED:] == [("replay", None)] * SETTLED, \
         f"{where}: the a/b alternation never settled into replays of learned plans: {phases}"
