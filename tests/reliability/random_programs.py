@@ -8,6 +8,11 @@ reductions broadcast back, matmuls with parameters and between activations, view
 storage, tuple outputs, tensor lists in and out, in-place writes (on fresh tensors, on
 no-grad tensors, and anywhere, which autograd may reject in both runs alike), dropout (the
 RNG stream must match) and opaque ``skip_offload`` regions.
+
+``DATA_KINDS`` (issue 11) are what op names and shapes do not show: an in-place write (or a
+read) whose target depends on the step's data, sparse COO matrices built from activations
+(``torch.sparse.mm``), and reads behind the dispatcher (``.numpy()``, ``.tolist()``, ``repr``)
+whose values the model records in ``seen`` for comparison with the plain run.
 """
 
 from __future__ import annotations
@@ -45,9 +50,20 @@ class Instr:
         return f"Instr({self.kind!r}, {self.a}, {self.b}, {self.c}, {self.variant})"
 
 
-instructions = st.builds(Instr, st.sampled_from(KINDS), st.integers(0, 63), st.integers(0, 63),
-                         st.integers(0, 63), st.integers(0, 5))
+DATA_KINDS = ("alias_choice", "sparse_mm", "detach_read")
+VARYING_KINDS = ("alias_choice", "sparse_mm")  # may touch other storages or shapes from step to step
+
+
+def _instructions(kinds: st.SearchStrategy[str]) -> st.SearchStrategy[Instr]:
+    return st.builds(Instr, kinds, st.integers(0, 63), st.integers(0, 63), st.integers(0, 63),
+                     st.integers(0, 5))
+
+
+instructions = _instructions(st.sampled_from(KINDS))
 programs = st.lists(instructions, min_size=1, max_size=14)
+# half of the instructions from DATA_KINDS, the rest mixed in from every other kind
+data_programs = st.lists(_instructions(st.one_of(st.sampled_from(DATA_KINDS), st.sampled_from(KINDS))),
+                         min_size=1, max_size=12)
 
 
 def _region(u: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,6 +81,7 @@ class RandomProgram(nn.Module):
         self.program = list(program)
         self.weights = nn.Parameter(torch.randn(3, D, D) / math.sqrt(D))
         self.bias = nn.Parameter(torch.randn(D) * 0.1)
+        self.seen: list[object] = []  # what detach_read read, in order
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         pool: list[torch.Tensor] = [x, x * self.bias]
@@ -171,6 +188,35 @@ class RandomProgram(nn.Module):
             wide = a.double() * b.double()
             half = (a * 0.1).to(torch.bfloat16) + c.to(torch.bfloat16)
             return [wide.float(), half.float()]
+        if kind == "alias_choice":
+            # The input changes every step, so which buffer is written (or read) does too.
+            y, z = a * 1.0, b * 1.0
+            first = bool(pool[0][0, v % D] > 0) if v % 2 == 0 else bool(a[0, 0] > b[0, 0])
+            chosen = y if first else z
+            if v < 4:
+                chosen.add_(c[:1] * 0.5)  # same op and shapes either way
+                return [y, z]
+            return [torch.tanh(chosen @ self.weights[v % 3]), y + z]
+        if kind == "sparse_mm":
+            if v % 2 == 0:  # fixed number of entries: the k largest of each row
+                k = 1 + v % 3
+                vals, cols = a.topk(k, dim=1)
+                idx = torch.stack([torch.arange(rows, device=a.device).repeat_interleave(k), cols.flatten()])
+                coo = torch.sparse_coo_tensor(idx, vals.flatten(), (rows, D), check_invariants=True)
+            else:  # data-dependent number of entries
+                mask = a > 0
+                coo = torch.sparse_coo_tensor(mask.nonzero().t(), a[mask], (rows, D), check_invariants=True)
+            return [torch.sparse.mm(coo, self.weights[v % 3]) + b]
+        if kind == "detach_read":
+            h = a if v % 2 == 0 else b
+            how = v % 3
+            if how == 0:
+                self.seen.append(h.detach().numpy().copy())
+            elif how == 1:
+                self.seen.append(h.tolist())
+            else:
+                self.seen.append(repr(h))
+            return []
         raise AssertionError(kind)
 
 

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from hyperpar.offload import OffloadConfig, OffloadSession
 from hyperpar.offload.runtime import SyncCopyEngine
+from tests.offload.verify.lockstep import sgd_and_zero
 from tests.reliability.bitwise import same_bits
 from tests.reliability.fault_models import WHERE, FaultyChain
 from tests.reliability.faulty_engine import FaultyEngine
@@ -63,15 +64,6 @@ def _compare(plain: FaultyChain, off: FaultyChain, a: torch.Tensor, b: torch.Ten
         assert same_bits(pa, pb), f"{where}: parameter {name}"
 
 
-def _update_and_zero(*models: FaultyChain) -> None:
-    with torch.no_grad():
-        for model in models:
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.sub_(0.05 * p.grad)
-            model.zero_grad(set_to_none=True)
-
-
 def run_with_fault(layers: int, budget: int, fail_step: int, inject: Callable[[FaultyChain, OffloadSession],
                    Any], disarm: Callable[[FaultyChain, OffloadSession], None], steps: int = 4,
                    **config: Any) -> None:
@@ -98,7 +90,7 @@ def run_with_fault(layers: int, budget: int, fail_step: int, inject: Callable[[F
             assert session.tracked_storages() == 0
             assert session.held_bytes() <= session.config.offload_cap_bytes, where
             clean_steps += 1
-            _update_and_zero(plain, off)
+            sgd_and_zero(plain, off)
             continue
         phase_before = session.phase
         exc = inject(plain, session)
@@ -140,7 +132,7 @@ def run_with_fault(layers: int, budget: int, fail_step: int, inject: Callable[[F
             _compare(plain, off, a, loss_b, where)
             assert same_bits(kept_a[0], kept_b[0]), f"{where}: kept tensor"
             clean_steps += 1
-            _update_and_zero(plain, off)
+            sgd_and_zero(plain, off)
     assert clean_steps >= 1
 
 

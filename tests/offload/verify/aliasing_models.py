@@ -1,0 +1,68 @@
+"""Tiny models whose storage accesses depend on the data while their ops and shapes do not:
+``x[0, 0] > 0`` picks which of two activations an op writes (or reads). A replay that only
+checks op names and shapes cannot see the difference."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hyperpar.offload import skip_offload
+
+ROWS, D = 64, 8  # activations of 2 KiB: they dominate the peak, so every budget evicts them
+
+
+def choice_input(step: int, gen: torch.Generator, rows: int = ROWS) -> torch.Tensor:
+    """Even steps take the first branch (x[0, 0] > 0), odd steps the other."""
+    x = torch.randn(rows, D, generator=gen)
+    x[0, 0] = 1.0 if step % 2 == 0 else -1.0
+    return x
+
+
+class _Tail(nn.Module):
+    """Two activations in, a scalar loss out; ``a`` and ``b`` are saved for backward and
+    enough activations follow that budgets up to 75 % of the peak evict them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.ParameterList(nn.Parameter(torch.randn(D, D) / 3) for _ in range(4))
+
+    def tail(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(a @ self.w[2]) * torch.sigmoid(b @ self.w[3])
+        for _ in range(4):
+            h = torch.tanh(h * 1.5)
+        return h.sum()
+
+
+class WriteChoice(_Tail):
+    """``(b if x[0, 0] > 0 else a).add_(1)``: warmup writes one buffer, the next step the other."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = x @ self.w[0], x @ self.w[1]
+        (b if x[0, 0] > 0 else a).add_(1.0)
+        return self.tail(a, b)
+
+
+class ReadChoice(_Tail):
+    """The choice decides which buffer a later matmul reads."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = torch.tanh(x @ self.w[0]), x @ self.w[1]
+        chosen = b if x[0, 0] > 0 else a
+        return self.tail(chosen @ self.w[1], a * b)
+
+
+@skip_offload
+def _write_in_region(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():  # a and b are leaves inside the region
+        (b if x[0, 0] > 0 else a).add_(1.0)
+    return a * b
+
+
+class RegionWriteChoice(_Tail):
+    """The data-dependent write happens inside a ``skip_offload`` region, to one of its inputs."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = x @ self.w[0], x @ self.w[1]
+        both = _write_in_region(x, a, b)
+        return self.tail(a, b) + both.sum()
