@@ -13,7 +13,13 @@ import torch
 from torch import nn
 
 from hyperpar.offload import OffloadConfig, OffloadSession
-from hyperpar.offload.runtime import HostPool, ResidencyManager, SyncCopyEngine, ThreadCopyEngine
+from hyperpar.offload.runtime import (
+    HostPool,
+    ResidencyManager,
+    RestoreError,
+    SyncCopyEngine,
+    ThreadCopyEngine,
+)
 from tests.reliability.bitwise import same_bits
 from tests.reliability.failure_cases import Injected, run_both
 from tests.reliability.faulty_engine import FailingStorages
@@ -26,11 +32,14 @@ def _engine(kind: str) -> SyncCopyEngine | ThreadCopyEngine:
     return SyncCopyEngine() if kind == "sync" else ThreadCopyEngine()
 
 
+@pytest.mark.parametrize("lose_host_copy", [False, True])
 @pytest.mark.parametrize("engine", ["sync", "thread"])
 @pytest.mark.parametrize("failing", [(1,), (0, 2)])
-def test_restore_all_restores_the_others_and_names_every_failure(engine: str,
-                                                                 failing: tuple[int, ...]) -> None:
-    """On main ``restore_all`` raised the first copy's own error, which names no storage."""
+def test_restore_all_restores_the_others_and_names_every_failure(engine: str, failing: tuple[int, ...],
+                                                                 lose_host_copy: bool) -> None:
+    """On main ``restore_all`` raised the first copy's own error, which names no storage.
+    Now a copy the engine fails is retried without the engine, so nothing is lost while the
+    host copy exists; when it does not, one ``RestoreError`` names every lost storage."""
     numels = (16, 24, 32, 40)  # distinct sizes: the engine fails by size
     tensors = [torch.arange(n, dtype=torch.float32) * (sid + 1) for sid, n in enumerate(numels)]
     expected = [t.clone() for t in tensors]
@@ -42,15 +51,21 @@ def test_restore_all_restores_the_others_and_names_every_failure(engine: str,
             entry = m.bind(sid, t.untyped_storage())
             assert m.copy_d2h(entry) and m.release_device(entry)
         m.wait_all()
-        with pytest.raises(RuntimeError) as info:
+        if lose_host_copy:
+            for sid in failing:
+                m.entries[sid].host = None  # as if the slab were gone
+            with pytest.raises(RestoreError) as info:
+                m.restore_all()
+            message = str(info.value)
+            for sid in failing:
+                assert f"storage {sid}" in message, f"the error does not name failed storage {sid}: {message!r}"
+            assert sorted(e.sid for e, _ in info.value.lost) == sorted(failing)
+        else:
             m.restore_all()
-        message = str(info.value)
-        for sid in failing:
-            assert f"storage {sid}" in message, f"the error does not name failed storage {sid}: {message!r}"
         for sid, (t, want) in enumerate(zip(tensors, expected, strict=True)):
             assert t.untyped_storage().nbytes() == want.numel() * 4, f"storage {sid} left at 0 bytes"
-            if sid not in failing:
-                assert torch.equal(t, want), f"storage {sid} was not restored after another one failed"
+            if not (lose_host_copy and sid in failing):
+                assert torch.equal(t, want), f"storage {sid} was not restored"
         assert m.evicted == {}
     finally:
         inner.close()

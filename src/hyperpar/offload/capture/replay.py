@@ -477,8 +477,28 @@ class ReplayExecutor(ExecutorBase):
         else:
             self._after(i)
             return
+        if why.startswith("the region") and self._switch_region(region, leaves):
+            self._after(i)
+            return
         self._diverge(i, p.names[i], why)
         self._record_region(region, leaves)
+
+    def _switch_region(self, region: _Region, leaves: list[Tensor]) -> bool:
+        """A region that did what another known plan's region did at this op (data decides
+        what a region touches): carry on with that plan. Its outputs were bound as this plan
+        binds them; the other plan must bind them the same way."""
+        i, p = region.index, self.program
+        binds = p.binds[i]
+        if not self._meta_matches(p.meta[i], leaves):
+            return False
+        actual = self._region_accesses(region, leaves, binds)
+        for alt in self.alternatives:
+            if (alt is not p and alt.num_ops > i and alt.keys[i] == p.keys[i] and alt.binds[i] == binds
+                    and (i == 0 or alt.prefix[i - 1] == p.prefix[i - 1])
+                    and (alt.region_accesses[i] or {}) == actual):
+                self._adopt(alt)
+                return True
+        return False
 
     def _region_accesses(self, region: _Region, leaves: list[Tensor],
                          binds: tuple[tuple[int, int], ...] | None) -> dict[int, AccessKind]:
