@@ -58,7 +58,7 @@ def test_restore_all_restores_the_others_and_names_every_failure(engine: str, fa
                 m.restore_all()
             message = str(info.value)
             for sid in failing:
-                assert f"storage {sid}" in message, f"the error does not name failed storage {sid}: {message!r}"
+                assert f"storage {sid}" in message, f"failed storage {sid} not named: {message!r}"
             assert sorted(e.sid for e, _ in info.value.lost) == sorted(failing)
         else:
             m.restore_all()
