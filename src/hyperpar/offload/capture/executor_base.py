@@ -41,6 +41,7 @@ PLAIN, COLLECTIVE = 0, 1
 _KIND: dict[Any, int] = {}
 _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd"})
 _NAMES: dict[Any, str] = {}
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
 def op_kind(func: Any) -> int:
@@ -243,7 +244,11 @@ class ExecutorBase:
             if not isinstance(leaf, Tensor):
                 meta.append(None)
                 continue
-            meta.append((tuple(leaf.shape), str(leaf.dtype)))
+            dtype = leaf.dtype
+            name = _DTYPE_NAMES.get(dtype)
+            if name is None:
+                name = _DTYPE_NAMES[dtype] = str(dtype)
+            meta.append((tuple(leaf.shape), name))
             try:
                 st = leaf.untyped_storage()
             except (RuntimeError, NotImplementedError):
@@ -264,11 +269,13 @@ class ExecutorBase:
             if nbytes and not any(s is st for _, s, _, _ in new):
                 new.append((nbytes, st, li, leaf))
         bindings = bound
-        new.sort(key=lambda x: -x[0])
-        if state.in_bytes:
+        if len(new) > 1:
+            new.sort(key=lambda x: -x[0])
+        if state.in_bytes and new:
             made = sum(x[0] for x in new) / state.in_bytes
             if made > self._out_ratio.get(state.key, 0.0):
                 self._out_ratio[state.key] = made
+        fresh = len(table.ids)
         for nbytes, st, li, leaf in new:
             sid = table.new_sid()
             table.bind(sid, st, i)
@@ -282,15 +289,17 @@ class ExecutorBase:
             self.pin_sids(kinds)
         entries = m.entries
         for sid, kind in kinds.items():
-            if kind is WRITE:
+            if kind is WRITE and sid < fresh:  # just-bound storages are new: nothing to refresh
                 entry = entries.get(sid)
                 if entry is not None:
                     m.mark_written(entry)
                 self._refresh_size(sid)
-        self.note_peak(i)
+        resident = table.live_bytes - m.away_bytes
+        if resident > self.peak_bytes:
+            self.peak_bytes, self.peak_op = resident, i
         if self.recording:
             self.ops.append(TraceOp(state.name, duration_ms, tuple(
-                StorageAccess(i, sid, kind) for sid, kind in kinds.items())))
+                [StorageAccess(i, sid, kind) for sid, kind in kinds.items()])))
             self.guides.append(OpGuide(state.name, len(leaves), bindings, tuple(meta), state.in_sids))
             self.keys.append(state.key)
 

@@ -28,10 +28,16 @@ Actions = tuple[tuple[int, int], ...] | None
 LeafCheck = tuple[int, torch.dtype] | None  # (ndim, dtype) of a tensor leaf
 
 
+_DTYPES: dict[str, torch.dtype] = {}
+
+
 def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r} in the trace's output_meta")
+    dtype = _DTYPES.get(name)
+    if dtype is None:
+        dtype = getattr(torch, name.removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown dtype {name!r} in the trace's output_meta")
+        _DTYPES[name] = dtype
     return dtype
 
 
