@@ -13,9 +13,8 @@ from hyperpar.multicore.collective import exchange, group_ranks, is_distributed
 from hyperpar.multicore.module import MulticoreModule
 
 from .config import DEFAULT_OVERLAP_CHUNKS, MoeExpertsConfig
-from .function import ExpertMath, MoeExpertsFunction
-from .offload_interop import call_opaque_to_offload
-from .routing import GradNeeds, RoutingSetup, build_route_plan
+from .function import ExpertMath, MoeCall, run_moe_experts
+from .routing import GradNeeds, RoutingSetup
 from .workspace import MoeWorkspace, WorkspaceSpec
 
 log = logging.getLogger(__name__)
@@ -173,8 +172,8 @@ class MoeExperts(MulticoreModule):
     def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
                 tokens_per_expert: torch.Tensor | None = None,
                 expert_weights: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        return call_opaque_to_offload(self._forward, hidden_states, topk_ids, topk_weights,
-                                      tokens_per_expert=tokens_per_expert, expert_weights=expert_weights)
+        return self._forward(hidden_states, topk_ids, topk_weights, tokens_per_expert=tokens_per_expert,
+                             expert_weights=expert_weights)
 
     def _forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
                  tokens_per_expert: torch.Tensor | None,
@@ -208,12 +207,12 @@ class MoeExperts(MulticoreModule):
             problems.append("tokens_per_expert must be None or a tensor, "
                             f"got {type(tokens_per_expert).__name__}")
             tokens_per_expert = None
-        # The lease covers the plan too: its collective must not interleave with another call's.
-        with workspace.lease("forward"):
-            plan = build_route_plan(self._routing, topk_ids, num_tokens, tokens_per_expert, problems,
-                                    _grad_needs(hidden_states, topk_weights, gate_up, down))
-            flat = hidden_states.reshape(num_tokens, cfg.hidden_size)
-            out = MoeExpertsFunction.apply(flat, topk_weights, gate_up, down, plan, workspace, self._math)
+        call = MoeCall(self._routing, workspace, self._math,
+                       _grad_needs(hidden_states, topk_weights, gate_up, down),
+                       weights_grad=torch.is_grad_enabled() and isinstance(topk_weights, torch.Tensor)
+                       and topk_weights.requires_grad)
+        out = run_moe_experts(hidden_states, num_tokens, topk_ids, topk_weights, gate_up, down,
+                              tokens_per_expert, call, problems)
         return out.view(hidden_states.shape)
 
     def extra_repr(self) -> str:
