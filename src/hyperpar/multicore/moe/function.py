@@ -19,6 +19,7 @@ cannot carry (the route plan, the workspace, the process group) travels in a
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -55,6 +56,11 @@ class MoeCall:
     plan: RoutePlan | None = None
     wanted: tuple[bool, bool, bool, bool] = field(default=(False, False, False, False))  # backward
 
+
+# The rows an expert rank receives depend on the routing: both ops say their output sizes
+# are data-dependent (torch >= 2.7 takes tags on custom ops).
+_OP_TAGS: dict[str, Any] = ({"tags": (torch.Tag.dynamic_output_shape,)}
+                            if "tags" in inspect.signature(torch.library.custom_op).parameters else {})
 
 _CALLS: dict[int, MoeCall] = {}
 _KEYS = itertools.count(1)
@@ -247,7 +253,7 @@ def _forward(call: MoeCall, hidden: Tensor, topk_ids: Tensor, topk_weights: Tens
             expert_out if call.weights_grad else hidden.new_empty(0, hidden_size))
 
 
-@torch.library.custom_op("hyperpar::moe_experts", mutates_args=())
+@torch.library.custom_op("hyperpar::moe_experts", mutates_args=(), **_OP_TAGS)
 def _moe_experts_op(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up: Tensor, down: Tensor,
                     tokens_per_expert: Tensor | None, call: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(output [T, H], expert input rows [R, H], pre-activations [R, 2I], per-route outputs
@@ -321,7 +327,7 @@ def _backward(call: MoeCall, grad_output: Tensor, topk_weights: Tensor, gate_up:
                                       strict=True))
 
 
-@torch.library.custom_op("hyperpar::moe_experts_backward", mutates_args=())
+@torch.library.custom_op("hyperpar::moe_experts_backward", mutates_args=(), **_OP_TAGS)
 def _moe_experts_backward_op(grad_output: Tensor, topk_weights: Tensor, gate_up: Tensor, down: Tensor,
                              expert_out: Tensor, saved_rows: Tensor, saved_pre: Tensor,
                              call: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -373,6 +379,7 @@ def _backward_formula(ctx: Any, grad_output: Tensor | None, *_: Any) -> tuple[Te
 _moe_experts_op.register_autograd(_backward_formula, setup_context=_setup_context)
 
 
+@torch.compiler.disable  # a graph break: the call key and the plan live outside any graph
 def run_moe_experts(hidden: Tensor, num_tokens: int, topk_ids: Tensor, topk_weights: Tensor,
                     gate_up: Tensor, down: Tensor, tokens_per_expert: Tensor | None, call: MoeCall,
                     problems: list[str]) -> Tensor:

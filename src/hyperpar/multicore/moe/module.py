@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import _disable_current_modes
 
 from hyperpar.multicore.collective import exchange, group_ranks, is_distributed
 from hyperpar.multicore.module import MulticoreModule
@@ -178,9 +179,12 @@ class MoeExperts(MulticoreModule):
     def _forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
                  tokens_per_expert: torch.Tensor | None,
                  expert_weights: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        workspace: MoeWorkspace = self._get_execution_resources(hidden_states)
-        if not self._config_agreed:
-            self._agree_on_config()
+        # Binding and the configuration check are one-time lifecycle work, not part of a step:
+        # a dispatch mode tracing the step (an OffloadSession) must not record their collectives.
+        with _disable_current_modes():
+            workspace: MoeWorkspace = self._get_execution_resources(hidden_states)
+            if not self._config_agreed:
+                self._agree_on_config()
         cfg = self.config
         problems: list[str] = []
         gate_up, down = self._weights(expert_weights, hidden_states, problems)
