@@ -141,9 +141,10 @@ def _measure(rank: int, world: int, size: dict[str, int], dtype: torch.dtype) ->
                 wall[name].append((time.perf_counter() - w0) * 1e3)
     memory = {}
     for name in v.names:
+        v.clear_grads()  # outside the window: freeing the last step's gradients is no rise
         dist.barrier()
-        memory[name] = {"rise_bytes": _step_peak_rise(lambda n=name: step(n)),
-                        "persistent_bytes": v.persistent_bytes(name)}
+        rise = _step_peak_rise(lambda n=name: v.call(n).float().square().sum().backward())
+        memory[name] = {"rise_bytes": rise, "persistent_bytes": v.persistent_bytes(name)}
     v.clear_grads()
     v.close()
     return {"cpu_ms": cpu, "wall_ms": wall, "memory": memory, "max_abs_diff_vs_moe": agree}

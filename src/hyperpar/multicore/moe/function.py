@@ -94,22 +94,27 @@ def _experts_backward(rows: Tensor, pre: Tensor, grad: Tensor, gate_up: Tensor, 
                       route: ChunkRoute, math: ExpertMath, want_weights: bool, want_rows: bool,
                       ) -> tuple[Tensor | None, WeightGrads | None]:
     """The rows' gradient now, and (when wanted) the weight gradients as a deferred step:
-    the caller runs it while the rows' gradient is on the wire back."""
+    the caller runs it while the rows' gradient is on the wire back. The down-projection's
+    weight gradient is taken first, so the gradient rows and the recomputed activation are
+    freed before the largest gradient (``gate_up``'s) is allocated."""
     counts, offsets = route.expert_counts, route.expert_offsets
     act_grad = grouped_mm(grad, down.transpose(1, 2), counts, offsets)
     pre_grad, act = swiglu_backward(pre, act_grad, math.swiglu_limit, want_activation=want_weights)
     del act_grad
+    down_grad = None
+    if want_weights:
+        assert act is not None
+        down_grad = grouped_weight_grad(act, grad, counts, offsets)
+        del act
     rows_grad = None
     if want_rows:
         rows_grad = grouped_mm(pre_grad, gate_up.transpose(1, 2), counts, offsets)
-    if not want_weights:
+    if down_grad is None:
         return rows_grad, None
-    assert act is not None
-    activation = act
+    done_down = down_grad
 
     def weight_grads() -> tuple[Tensor, Tensor]:
-        return (grouped_weight_grad(rows, pre_grad, counts, offsets),
-                grouped_weight_grad(activation, grad, counts, offsets))
+        return grouped_weight_grad(rows, pre_grad, counts, offsets), done_down
     return rows_grad, weight_grads
 
 
@@ -208,6 +213,7 @@ def route_rows(
             if result is not None:
                 recv.index_copy_(0, route.recv_to_expert, out)
                 combines.append(_exchange(send, recv, route.send_splits, route.recv_splits, math))
+            del out  # in the buffer now: not held while after_combine runs
             if after_combine is not None:
                 after_combine(c)
         if result is not None:
@@ -354,6 +360,7 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]
     ctx.call = call
     ctx.save_for_backward(topk_weights, gate_up, down, expert_out, rows, pre)
     ctx.mark_non_differentiable(rows, pre, expert_out)
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for the three saved outputs
     ctx.pending = call.workspace.pending_backward()  # close() refuses until backward ran or the graph died
 
 
