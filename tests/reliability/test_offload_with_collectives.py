@@ -36,7 +36,9 @@ def test_moe_under_offload_on_two_ranks() -> None:
     results = run_ranks(offload_matches_plain, 2, args=("thread", 0, 2), timeout=90)
     for rank, out in results.items():
         assert out["differs"] == [], (rank, out["differs"])
-        assert out["moved"] > 0 and out["phase"] == "replay", rank
+        # the routing changes every step, and with it the sizes of the layer's saved rows:
+        # replay of such steps waits on capture (tests/multicore/moe/test_offload_visible.py)
+        assert out["moved"] > 0, rank
 
 
 def test_async_collective_in_flight_while_over_budget() -> None:

@@ -1,8 +1,12 @@
-"""``hyperpar bench moe``: MoeExperts vs a naive expert-parallel baseline on 2 gloo ranks.
+"""``hyperpar bench moe``: MoeExperts vs an honest naive EP layer and torchtitan's MoE, 2 gloo ranks.
 
-Both run side by side in one process pair, interleaved step by step, so the ratio is
-fair even on a busy machine. Also: overlap_chunks > 1 vs 1, workspace bytes of 1/4/8
-shared layers, and torch._grouped_mm vs a loop of mm.
+Every variant runs in the same process pair, interleaved step by step (the order rotates
+every step), on the same weights and routing, so ratios are fair on a busy machine. Time
+is the CPU time of the slowest rank (``time.process_time`` covers gloo's threads too), per
+fwd+bwd step with the gradients set to None first as an optimizer would; memory is the
+peak rise of the CPU allocator during one step (profiler memory events) plus the buffers
+a variant keeps between steps. Each run is a fresh process pair; the summary is the
+median over runs with the spread (min, max).
 """
 
 from __future__ import annotations
@@ -21,19 +25,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 
+from hyperpar.bench.moe_peers import TORCHTITAN_NOTE, TorchtitanExperts, naive_experts, torchtitan_missing
 from hyperpar.multicore.moe import MoeExperts, set_grouped_mm_enabled
 
-# Two realistic small shapes: fine-grained experts as in current MoE models (many small
-# experts, larger top-k; the headline) and a coarse Mixtral-like layer (few big experts).
+# Fine-grained experts as in current MoE models (many small experts, larger top-k) and a
+# coarse Mixtral-like layer (few big experts).
 SIZES = {
-    "fine_grained": dict(tokens=512, hidden=512, inter=256, experts=32, top_k=4, steps=8),
-    "coarse": dict(tokens=512, hidden=512, inter=512, experts=8, top_k=2, steps=8),
+    "fine_grained": dict(tokens=512, hidden=512, inter=256, experts=32, top_k=4, steps=6),
+    "coarse": dict(tokens=512, hidden=512, inter=512, experts=8, top_k=2, steps=6),
 }
-QUICK = {"quick": dict(tokens=64, hidden=64, inter=64, experts=4, top_k=2, steps=4)}
+QUICK = {"quick": dict(tokens=64, hidden=64, inter=64, experts=4, top_k=2, steps=2)}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+WARMUP_STEPS = 2
+GOALS = {"float32": 1.0, "bfloat16": 0.85}  # MoeExperts / torchtitan, issue 13
 
 
 def _positive_int(text: str) -> int:
@@ -47,42 +53,122 @@ def _positive_int(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="tiny sizes for a CI smoke test (< 20 s)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes for a CI smoke test")
     parser.add_argument("--steps", type=_positive_int, default=None, help="timed fwd+bwd steps per variant")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/moe.json"))
+    parser.add_argument("--runs", type=_positive_int, default=3, help="fresh process pairs (default 3)")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32,bfloat16")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="write the JSON here (and the plot beside it as .png); "
+                             "the committed results are benchmarks/results/moe.json")
 
 
-def naive_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                  down: torch.Tensor, world: int) -> torch.Tensor:
-    """The straightforward expert-parallel layer: fresh buffers, one all-to-all each way with
-    autograd, a Python loop over local experts."""
-    tokens, top_k = ids.shape
-    local = gate_up.shape[0]
-    inter = down.shape[1]
-    flat = ids.flatten()
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=local * world)
-    recv_counts = torch.empty_like(counts)
-    dist.all_to_all_single(recv_counts, counts)
-    send_splits = counts.view(world, local).sum(1).tolist()
-    per_source = recv_counts.view(world, local)
-    recv_splits = per_source.sum(1).tolist()
-    sent = x[order // top_k]
-    received = dist_fn.all_to_all_single(sent.new_empty(sum(recv_splits), x.shape[1]), sent,
-                                         recv_splits, send_splits)
-    segments = list(received.split(per_source.flatten().tolist()))
-    outputs: list[torch.Tensor | None] = [None] * len(segments)
-    for e in range(local):
-        rows = torch.cat([segments[s * local + e] for s in range(world)])
-        pre = rows @ gate_up[e]
-        y = (F.silu(pre[:, :inter]) * pre[:, inter:]) @ down[e]
-        for s, part in enumerate(y.split([segments[s * local + e].shape[0] for s in range(world)])):
-            outputs[s * local + e] = part
-    back_rows = torch.cat([o for o in outputs if o is not None])
-    back = dist_fn.all_to_all_single(back_rows.new_empty(len(order), x.shape[1]), back_rows,
-                                     send_splits, recv_splits)
-    per_route = torch.empty_like(back).index_copy(0, order, back).view(tokens, top_k, -1)
-    return (weights.unsqueeze(-1) * per_route).sum(1)
+class _Variants:
+    """The layers of one (shape, dtype) on this rank, on the same weights."""
+
+    def __init__(self, size: dict[str, int], dtype: torch.dtype, world: int, rank: int) -> None:
+        tokens, experts, top_k = size["tokens"], size["experts"], size["top_k"]
+        torch.manual_seed(0)
+        self.layer = MoeExperts(local_num_tokens=tokens, hidden_size=size["hidden"],
+                                intermediate_size=size["inter"], num_experts=experts, top_k=top_k,
+                                ep_size=world).to(dtype)
+        self.gate_up = self.layer.gate_up_weight.detach().clone().requires_grad_()
+        self.down = self.layer.down_weight.detach().clone().requires_grad_()
+        self.peer = None if torchtitan_missing() else TorchtitanExperts(
+            self.gate_up.detach(), self.down.detach(), experts, top_k, world)
+        gen = torch.Generator().manual_seed(rank)
+        # as inside a model: the hidden states and the routing weights come from trainable layers
+        self.x = torch.randn(tokens, size["hidden"], generator=gen).to(dtype).requires_grad_()
+        probs = torch.softmax(torch.randn(tokens, experts, generator=gen), -1)
+        weights, self.ids = probs.topk(top_k, -1)
+        self.weights = weights.to(dtype).requires_grad_()
+        self.world = world
+        self.names = ["MoeExperts", "naive"] + (["torchtitan"] if self.peer is not None else [])
+
+    def call(self, name: str) -> torch.Tensor:
+        if name == "MoeExperts":
+            return self.layer(self.x, self.ids, self.weights)
+        if name == "naive":
+            return naive_experts(self.x, self.ids, self.weights, self.gate_up, self.down, self.world)
+        assert self.peer is not None
+        return self.peer(self.x, self.ids, self.weights)
+
+    def clear_grads(self) -> None:
+        params = [self.x, self.weights, self.gate_up, self.down, *self.layer.parameters()]
+        for p in params + (self.peer.parameters() if self.peer is not None else []):
+            p.grad = None
+
+    def persistent_bytes(self, name: str) -> int:
+        return self.layer.workspace_bytes if name == "MoeExperts" else 0
+
+    def close(self) -> None:
+        self.layer.close()
+
+
+def _step_peak_rise(run_step: Any) -> int:
+    """Peak bytes the CPU allocator held above the start of one call of ``run_step``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run_step()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    level = peak = 0
+    for _, nbytes in events:
+        level += nbytes
+        peak = max(peak, level)
+    return peak
+
+
+def _measure(rank: int, world: int, size: dict[str, int], dtype: torch.dtype) -> dict[str, Any]:
+    v = _Variants(size, dtype, world, rank)
+
+    def step(name: str) -> None:
+        v.clear_grads()
+        v.call(name).float().square().sum().backward()
+
+    reference = v.call("MoeExperts").detach().float()
+    agree = {n: float((v.call(n).detach().float() - reference).abs().max()) for n in v.names[1:]}
+    cpu: dict[str, list[float]] = {n: [] for n in v.names}
+    wall: dict[str, list[float]] = {n: [] for n in v.names}
+    for i in range(size["steps"] + WARMUP_STEPS):
+        turn = i % len(v.names)
+        for name in v.names[turn:] + v.names[:turn]:
+            dist.barrier()
+            c0, w0 = time.process_time(), time.perf_counter()
+            step(name)
+            if i >= WARMUP_STEPS:
+                cpu[name].append((time.process_time() - c0) * 1e3)
+                wall[name].append((time.perf_counter() - w0) * 1e3)
+    memory = {}
+    for name in v.names:
+        v.clear_grads()  # outside the window: freeing the last step's gradients is no rise
+        dist.barrier()
+        rise = _step_peak_rise(lambda n=name: v.call(n).float().square().sum().backward())
+        memory[name] = {"rise_bytes": rise, "persistent_bytes": v.persistent_bytes(name)}
+    v.clear_grads()
+    v.close()
+    return {"cpu_ms": cpu, "wall_ms": wall, "memory": memory, "max_abs_diff_vs_moe": agree}
+
+
+def _workspace_sharing(world: int, size: dict[str, int]) -> dict[str, int]:
+    """Workspace bytes of 1, 4 and 8 layers sharing one workspace."""
+    out: dict[str, int] = {}
+    x = torch.randn(size["tokens"], size["hidden"])
+    ids = torch.stack([torch.randperm(size["experts"])[:size["top_k"]] for _ in range(size["tokens"])])
+    w = torch.rand(size["tokens"], size["top_k"])
+    for count in (1, 4, 8):
+        stack = [MoeExperts(local_num_tokens=size["tokens"], hidden_size=size["hidden"],
+                            intermediate_size=size["inter"], num_experts=size["experts"], top_k=size["top_k"],
+                            ep_size=world) for _ in range(count)]
+        if count > 1:
+            MoeExperts.share_execution_resources(stack)
+        with torch.no_grad():
+            for layer in stack:
+                layer(x, ids, w)
+        out[f"{count}_layers"] = stack[0].workspace_bytes
+        for layer in stack:
+            layer.close()
+    return out
 
 
 def _grouped_vs_loop(dtype: torch.dtype, size: dict[str, int]) -> dict[str, float]:
@@ -90,8 +176,8 @@ def _grouped_vs_loop(dtype: torch.dtype, size: dict[str, int]) -> dict[str, floa
 
     torch.manual_seed(0)
     experts, hidden, inter = size["experts"], size["hidden"], size["inter"]
-    counts = torch.multinomial(torch.ones(experts), size["tokens"] * size["top_k"], replacement=True)
-    counts = torch.bincount(counts, minlength=experts).tolist()
+    picks = torch.multinomial(torch.ones(experts), size["tokens"] * size["top_k"], replacement=True)
+    counts = torch.bincount(picks, minlength=experts).tolist()
     rows = torch.randn(sum(counts), hidden, dtype=dtype)
     weight = torch.randn(experts, hidden, inter, dtype=dtype)
     grad = torch.randn(sum(counts), inter, dtype=dtype)
@@ -100,89 +186,36 @@ def _grouped_vs_loop(dtype: torch.dtype, size: dict[str, int]) -> dict[str, floa
     for _ in range(size["steps"]):
         for name, enabled in (("grouped", True), ("loop", False)):
             set_grouped_mm_enabled(enabled)
-            start = time.perf_counter()
+            start = time.process_time()
             grouped_mm(rows, weight, counts, offsets)
             grouped_mm(grad, weight.transpose(1, 2), counts, offsets)
             grouped_weight_grad(rows, grad, counts, offsets)
-            timings[name].append(time.perf_counter() - start)
+            timings[name].append(time.process_time() - start)
     set_grouped_mm_enabled(True)
     grouped, loop = statistics.median(timings["grouped"]), statistics.median(timings["loop"])
     return {"grouped_ms": grouped * 1e3, "loop_ms": loop * 1e3, "grouped_over_loop": grouped / loop}
 
 
-def _rank_main(rank: int, world: int, port: int, sizes: dict[str, dict[str, int]], queue: Any) -> None:
+def _rank_main(rank: int, world: int, port: int, sizes: dict[str, dict[str, int]], dtypes: list[str],
+               queue: Any) -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)  # the baseline's autograd all-to-all
+    warnings.filterwarnings("ignore", category=UserWarning)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        queue.put((rank, {name: _measure(rank, world, size) for name, size in sizes.items()}))
+        result: dict[str, Any] = {
+            name: {d: _measure(rank, world, size, DTYPES[d]) for d in dtypes} for name, size in sizes.items()}
+        first = next(iter(sizes.values()))
+        result["workspace_bytes_shared"] = _workspace_sharing(world, first)
+        if rank == 0:
+            result["grouped_mm_vs_loop"] = {d: _grouped_vs_loop(DTYPES[d], first) for d in dtypes}
+        queue.put((rank, result))
     except Exception as exc:
         queue.put((rank, f"{type(exc).__name__}: {exc}"))
         raise
     finally:
         dist.destroy_process_group()
-
-
-def _measure(rank: int, world: int, size: dict[str, int]) -> dict[str, Any]:
-    tokens, hidden, inter = size["tokens"], size["hidden"], size["inter"]
-    experts, top_k = size["experts"], size["top_k"]
-    torch.manual_seed(0)
-    layers = {chunks: MoeExperts(local_num_tokens=tokens, hidden_size=hidden, intermediate_size=inter,
-                                 num_experts=experts, top_k=top_k, ep_size=world, overlap_chunks=chunks)
-              for chunks in (1, 2, 4)}
-    for layer in layers.values():
-        layer.load_state_dict(layers[1].state_dict())
-    gate_up = layers[1].gate_up_weight.detach().clone().requires_grad_()
-    down = layers[1].down_weight.detach().clone().requires_grad_()
-    gen = torch.Generator().manual_seed(rank)
-    # as inside a model: the hidden states and the routing weights come from trainable layers
-    x = torch.randn(tokens, hidden, generator=gen).requires_grad_()
-    logits = torch.randn(tokens, experts, generator=gen).requires_grad_()
-    weights, ids = torch.softmax(logits, -1).topk(top_k, -1)
-    weights = weights.detach().requires_grad_()
-
-    def variant(name: str) -> torch.Tensor:
-        if name == "naive":
-            return naive_experts(x, ids, weights, gate_up, down, world)
-        return layers[int(name.split("=")[1])](x, ids, weights)
-
-    names = ["naive", "chunks=1", "chunks=2", "chunks=4"]
-    reference = variant("naive").detach()
-    agree = {n: float((variant(n).detach() - reference).abs().max()) for n in names[1:]}
-    x.grad = weights.grad = None
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for step in range(size["steps"] + 2):
-        for name in names:
-            dist.barrier()
-            start = time.perf_counter()
-            variant(name).square().sum().backward()
-            elapsed = time.perf_counter() - start
-            if step >= 2:  # warm-up
-                times[name].append(elapsed)
-    median = {n: statistics.median(t) * 1e3 for n, t in times.items()}
-    for layer in layers.values():
-        layer.zero_grad()
-        layer.close()
-
-    workspace: dict[str, int] = {}
-    for count in (1, 4, 8):
-        stack = [MoeExperts(local_num_tokens=tokens, hidden_size=hidden, intermediate_size=inter,
-                            num_experts=experts, top_k=top_k, ep_size=world) for _ in range(count)]
-        if count > 1:
-            MoeExperts.share_execution_resources(stack)
-        with torch.no_grad():
-            for layer in stack:
-                layer(x, ids, weights)
-        workspace[f"{count}_layers"] = stack[0].workspace_bytes
-        for layer in stack:
-            layer.close()
-    result: dict[str, Any] = {"fwd_bwd_ms_median": median, "max_abs_diff_vs_naive": agree,
-                              "workspace_bytes_shared": workspace}
-    if rank == 0:
-        result["grouped_mm_vs_loop"] = {str(dt): _grouped_vs_loop(dt, size)
-                                        for dt in (torch.float32, torch.bfloat16)}
-    return result
 
 
 def _free_port() -> int:
@@ -191,31 +224,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _summarise(results: dict[int, Any]) -> dict[str, Any]:
-    ms = {n: max(results[r]["fwd_bwd_ms_median"][n] for r in results)
-          for n in results[0]["fwd_bwd_ms_median"]}
-    best_chunks = min((n for n in ms if n.startswith("chunks")), key=ms.__getitem__)
-    return {
-        "fwd_bwd_ms_median_slowest_rank": ms,
-        "moe_over_naive": ms["chunks=1"] / ms["naive"],
-        "goal_moe_over_naive": 0.75,
-        "chunks2_over_chunks1": ms["chunks=2"] / ms["chunks=1"],
-        "chunks4_over_chunks1": ms["chunks=4"] / ms["chunks=1"],
-        "best_overlap_chunks": int(best_chunks.split("=")[1]),
-        "workspace_bytes_shared": results[0]["workspace_bytes_shared"],
-    }
-
-
-def run(args: argparse.Namespace) -> int:
-    sizes = {name: dict(size) for name, size in (QUICK if args.quick else SIZES).items()}
-    for size in sizes.values():
-        if args.steps is not None:
-            size["steps"] = args.steps
-    world = 2
+def _one_run(world: int, sizes: dict[str, dict[str, int]], dtypes: list[str]) -> dict[int, Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, sizes, queue), daemon=True)
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, sizes, dtypes, queue), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
@@ -231,35 +244,140 @@ def run(args: argparse.Namespace) -> int:
                 p.kill()
     failed = {r: v for r, v in results.items() if isinstance(v, str)}
     if failed:
-        print(f"moe benchmark failed: {failed}", file=sys.stderr)
+        raise RuntimeError(f"moe benchmark rank(s) failed: {failed}")
+    return results
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _summarise(runs: list[dict[int, Any]], shape: str, dtype: str) -> dict[str, Any]:
+    """Per run: each variant's median step CPU ms on the slowest rank; then median and spread."""
+    per_run = [{n: max(statistics.median(run[r][shape][dtype]["cpu_ms"][n]) for r in run)
+                for n in run[0][shape][dtype]["cpu_ms"]} for run in runs]
+    names = list(per_run[0])
+    summary: dict[str, Any] = {"cpu_ms_slowest_rank": {n: _spread([p[n] for p in per_run]) for n in names}}
+    for other in names[1:]:
+        summary[f"moe_over_{other}"] = _spread([p["MoeExperts"] / p[other] for p in per_run])
+    memory: dict[str, Any] = {}
+    for n in names:
+        rise = [max(run[r][shape][dtype]["memory"][n]["rise_bytes"] for r in run) for run in runs]
+        persistent = max(run[r][shape][dtype]["memory"][n]["persistent_bytes"] for run in runs for r in run)
+        memory[n] = {"rise_bytes": int(statistics.median(rise)), "persistent_bytes": persistent,
+                     "total_bytes": int(statistics.median(rise)) + persistent}
+    summary["memory"] = memory
+    summary["max_abs_diff_vs_moe"] = {n: max(run[r][shape][dtype]["max_abs_diff_vs_moe"][n]
+                                             for run in runs for r in run) for n in names[1:]}
+    if "torchtitan" in names:
+        summary["goal_moe_over_torchtitan"] = GOALS.get(dtype)
+    return summary
+
+
+def _print_table(report: dict[str, Any]) -> None:
+    peer = report["torchtitan"]
+    print(f"MoE fwd+bwd on 2 gloo ranks: CPU ms of the slowest rank, median of {report['runs']} runs "
+          "[min-max]; memory = peak rise in a step + buffers kept between steps")
+    if peer["missing"]:
+        print(f"  torchtitan's MoE is NOT measured: {peer['missing']} (pip install 'hyperpar[bench]')")
+    for shape, by_dtype in report["summary"].items():
+        size = report["sizes"][shape]
+        print(f"{shape}: T={size['tokens']}/rank H={size['hidden']} I={size['inter']} "
+              f"E={size['experts']} K={size['top_k']}")
+        for dtype, s in by_dtype.items():
+            for name, t in s["cpu_ms_slowest_rank"].items():
+                mem = s["memory"][name]
+                note = " (bf16 GEMMs)" if name == "torchtitan" and dtype != "bfloat16" else ""
+                print(f"  {dtype:8s} {name + note:24s} {t['median']:8.1f} ms [{t['min']:.1f}-{t['max']:.1f}]"
+                      f"  memory {mem['total_bytes'] / 2**20:6.1f} MiB (rise {mem['rise_bytes'] / 2**20:.1f}"
+                      f" + kept {mem['persistent_bytes'] / 2**20:.1f})")
+            ratios = [f"MoeExperts/{k.removeprefix('moe_over_')} = {v['median']:.2f} "
+                      f"[{v['min']:.2f}-{v['max']:.2f}]" for k, v in s.items() if k.startswith("moe_over_")]
+            goal = s.get("goal_moe_over_torchtitan")
+            print("    " + "; ".join(ratios) + (f" (goal vs torchtitan <= {goal})" if goal else ""))
+    if not peer["missing"]:
+        print(f"  note: {TORCHTITAN_NOTE}")
+
+
+def _plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(shape, dtype, s) for shape, by in report["summary"].items() for dtype, s in by.items()]
+    fig, axes = plt.subplots(2, len(panels), figsize=(3.2 * len(panels), 6), squeeze=False)
+    for col, (shape, dtype, s) in enumerate(panels):
+        names = list(s["cpu_ms_slowest_rank"])
+        t = [s["cpu_ms_slowest_rank"][n] for n in names]
+        errors = [[x["median"] - x["min"] for x in t], [x["max"] - x["median"] for x in t]]
+        axes[0][col].bar(names, [x["median"] for x in t], yerr=errors, capsize=3, color="C0")
+        axes[0][col].set_title(f"{shape}, {dtype}", fontsize=9)
+        axes[0][col].set_ylabel("CPU ms / step (slowest rank)" if col == 0 else "")
+        rise = [s["memory"][n]["rise_bytes"] / 2**20 for n in names]
+        kept = [s["memory"][n]["persistent_bytes"] / 2**20 for n in names]
+        axes[1][col].bar(names, rise, color="C1", label="rise in a step")
+        axes[1][col].bar(names, kept, bottom=rise, color="C2", label="kept between steps")
+        axes[1][col].set_ylabel("MiB" if col == 0 else "")
+        for ax in (axes[0][col], axes[1][col]):
+            ax.tick_params(axis="x", labelsize=7, rotation=20)
+    axes[1][0].legend(fontsize=7)
+    fig.suptitle("hyperpar bench moe: 2 gloo ranks (torchtitan: bf16 GEMMs for every dtype)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    sizes = {name: dict(size) for name, size in (QUICK if args.quick else SIZES).items()}
+    for size in sizes.values():
+        if args.steps is not None:
+            size["steps"] = args.steps
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    unknown = [d for d in dtypes if d not in DTYPES]
+    if unknown or not dtypes:
+        print(f"--dtypes: unknown {unknown}, choose from {sorted(DTYPES)}", file=sys.stderr)
+        return 2
+    world = 2
+    loads: list[float] = []
+    runs: list[dict[int, Any]] = []
+    try:
+        for _ in range(args.runs):
+            loads.append(os.getloadavg()[0])
+            runs.append(_one_run(world, sizes, dtypes))
+    except RuntimeError as exc:
+        print(f"moe benchmark failed: {exc}", file=sys.stderr)
         return 1
-    summaries = {name: _summarise({r: results[r][name] for r in results}) for name in sizes}
-    first = next(iter(sizes))
-    report = {
+    loads.append(os.getloadavg()[0])
+    report: dict[str, Any] = {
         "benchmark": "moe",
         "command": " ".join(["hyperpar", *sys.argv[1:]]),
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "cpus": os.cpu_count(), "python": platform.python_version(),
-                    "load_average_1min": os.getloadavg()[0]},
+                    "load_average_1min": loads},
         "torch": torch.__version__,
-        "ranks": world, "backend": "gloo", "sizes": sizes,
-        "summary": summaries,
-        "grouped_mm_vs_loop": results[0][first]["grouped_mm_vs_loop"],
-        "per_rank": results,
+        "ranks": world, "backend": "gloo", "threads_per_rank": 1, "runs": args.runs,
+        "measure": "CPU ms (time.process_time) per fwd+bwd step; median over steps on each rank, "
+                   "max over ranks, then median/min/max over runs. Memory: peak CPU-allocator rise "
+                   "during one step (profiler memory events) + bytes kept between steps.",
+        "torchtitan": {"missing": torchtitan_missing(), "note": TORCHTITAN_NOTE},
+        "sizes": sizes,
+        "summary": {shape: {d: _summarise(runs, shape, d) for d in dtypes} for shape in sizes},
+        "workspace_bytes_shared": runs[0][0]["workspace_bytes_shared"],
+        "grouped_mm_vs_loop": runs[0][0]["grouped_mm_vs_loop"],
+        "per_run": runs,
     }
+    _print_table(report)
+    print(f"load average (1 min) before each run and after: {[round(x, 1) for x in loads]}")
+    if args.out is None:
+        print("(pass --out PATH to write the JSON and the plot)")
+        return 0
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    for name, size in sizes.items():
-        summary = summaries[name]
-        print(f"MoE fwd+bwd, {name}: 2 gloo ranks, T={size['tokens']} H={size['hidden']} I={size['inter']} "
-              f"E={size['experts']} K={size['top_k']} (median ms, slowest rank)")
-        for variant, value in summary["fwd_bwd_ms_median_slowest_rank"].items():
-            print(f"  {variant:9s} {value:8.2f} ms")
-        print(f"  MoeExperts/naive = {summary['moe_over_naive']:.2f} (goal <= 0.75); "
-              f"chunks=2/chunks=1 = {summary['chunks2_over_chunks1']:.2f}; "
-              f"chunks=4/chunks=1 = {summary['chunks4_over_chunks1']:.2f}")
-        print(f"  workspace bytes, shared layers: {summary['workspace_bytes_shared']}")
-    for dtype, g in report["grouped_mm_vs_loop"].items():
-        print(f"grouped_mm/loop of mm, {dtype}: {g['grouped_over_loop']:.2f}")
     print(f"wrote {args.out}")
+    try:
+        _plot(report, args.out.with_suffix(".png"))
+        print(f"wrote {args.out.with_suffix('.png')}")
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install 'hyperpar[plot]')")
     return 0

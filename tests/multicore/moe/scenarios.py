@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+import hyperpar.multicore.moe.function as moe_function
 from hyperpar.multicore.moe import MoeExperts, dense_moe_reference
 
 HIDDEN, INTER, EXPERTS, TOP_K = 16, 8, 8, 2
@@ -38,6 +41,23 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max()) if a.numel() else 0.0
 
 
+@contextmanager
+def _recording_waves() -> Iterator[list[int]]:
+    """The number of waves of every route plan built inside."""
+    waves: list[int] = []
+    plan_of_call = moe_function.build_route_plan
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        plan = plan_of_call(*args, **kwargs)
+        waves.append(plan.waves)
+        return plan
+    moe_function.build_route_plan = recording  # type: ignore[assignment]
+    try:
+        yield waves
+    finally:
+        moe_function.build_route_plan = plan_of_call  # type: ignore[assignment]
+
+
 def full_weights(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(1234)
     gate_up = torch.randn(EXPERTS, HIDDEN, 2 * INTER, generator=gen, dtype=dtype) * 0.3
@@ -46,14 +66,19 @@ def full_weights(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def compare_with_reference(rank: int, world: int, cases: list[tuple[Any, ...]]) -> dict[str, Any]:
-    """Per case (scenario, overlap_chunks, swiglu_limit[, dtype]): the largest difference of
-    output and every gradient, and whether experts without tokens got exact zero weight grads."""
+    """Per case (scenario, overlap_chunks, swiglu_limit[, dtype[, expert_capacity_factor]]): the
+    largest difference of output and every gradient, whether experts without tokens got exact
+    zero weight grads, and how many waves the call took."""
     distributed = world > 1
     report: dict[str, Any] = {}
     pairs: list[Any] = []
     for label, chunks, limit, *rest in cases:
         dtype = rest[0] if rest else torch.float64
+        capacity = rest[1] if len(rest) > 1 else None
         scenario, group, ep = label, None, world
+        full = label.startswith("full/")  # (nearly) local_num_tokens tokens per rank
+        if full:
+            scenario = label.split("/", 1)[1]
         if label.startswith("pairs/"):  # EP groups {0, 1}, {2, 3}, ... instead of the world
             scenario = label.split("/", 1)[1]
             if not pairs:
@@ -62,6 +87,8 @@ def compare_with_reference(rank: int, world: int, cases: list[tuple[Any, ...]]) 
         gate_up_full, down_full = full_weights(dtype)
         gen = torch.Generator().manual_seed(100 + rank)
         tokens = 5 + 3 * rank if scenario != "idle_rank" or rank != 0 else 0  # uneven counts
+        if full:
+            tokens = MAX_TOKENS - rank
         x = torch.randn(tokens, HIDDEN, generator=gen, dtype=dtype)
         ids = routing("uniform" if scenario == "idle_rank" else scenario, tokens, rank, ep, gen)
         w = torch.rand(tokens, TOP_K, generator=gen, dtype=dtype)
@@ -69,13 +96,15 @@ def compare_with_reference(rank: int, world: int, cases: list[tuple[Any, ...]]) 
 
         layer = MoeExperts(local_num_tokens=MAX_TOKENS, hidden_size=HIDDEN, intermediate_size=INTER,
                            num_experts=EXPERTS, top_k=TOP_K, ep_size=ep, ep_group=group,
-                           overlap_chunks=chunks, swiglu_limit=limit).to(dtype)
+                           overlap_chunks=chunks, swiglu_limit=limit,
+                           expert_capacity_factor=capacity).to(dtype)
         mine = layer.local_expert_ids
         with torch.no_grad():
             layer.gate_up_weight.copy_(gate_up_full[mine.start:mine.stop])
             layer.down_weight.copy_(down_full[mine.start:mine.stop])
         x1, w1 = x.clone().requires_grad_(), w.clone().requires_grad_()
-        out = layer(x1, ids, w1, tokens_per_expert=torch.bincount(ids.flatten(), minlength=EXPERTS))
+        with _recording_waves() as waves:
+            out = layer(x1, ids, w1, tokens_per_expert=torch.bincount(ids.flatten(), minlength=EXPERTS))
         out.backward(grad_out)
 
         x2, w2 = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -90,8 +119,10 @@ def compare_with_reference(rank: int, world: int, cases: list[tuple[Any, ...]]) 
             dist.all_reduce(dn_grad, group=group)
             dist.all_reduce(used, group=group)
         unused_local = [e - mine.start for e in mine if int(used[e]) == 0]
-        report[f"{label}/chunks={chunks}/limit={limit}/{dtype}"] = {
+        suffix = "" if capacity is None else f"/capacity={capacity}"
+        report[f"{label}/chunks={chunks}/limit={limit}/{dtype}{suffix}"] = {
             "dtype": str(dtype),
+            "waves": waves,
             "output": _max_diff(out, ref),
             "hidden_grad": _max_diff(x1.grad, x2.grad),
             "weights_grad": _max_diff(w1.grad, w2.grad),

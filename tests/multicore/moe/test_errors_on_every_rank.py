@@ -1,4 +1,4 @@
-"""Bad input, capacity overflow, mismatched configuration or grad mode raise on every rank;
+"""Bad input, mismatched configuration or grad mode raise on every rank;
 nothing hangs; ranks that need different gradients still agree on the backward collectives."""
 
 from __future__ import annotations
@@ -32,10 +32,7 @@ def _failures_body(rank: int, world: int) -> dict[str, str]:
     x = torch.randn(MAX_T, H)
     w = torch.rand(MAX_T, K)
     spread = torch.tensor([[0, 2], [1, 3]] * (MAX_T // 2))
-    layer = _layer(world, expert_capacity_factor=1.0)
-    # every row of both ranks goes to experts 0 and 1 on rank 0: 2x its capacity
-    to_rank0 = torch.tensor([[0, 1]] * MAX_T)
-    out["capacity"] = _error_text(lambda: layer(x, to_rank0, w))
+    layer = _layer(world, expert_capacity_factor=1.0)  # an overflow runs in waves: test_multi_wave.py
     tokens = MAX_T + 1 if rank == 1 else MAX_T
     out["too_many_tokens"] = _error_text(
         lambda: layer(torch.randn(tokens, H), spread[:1].repeat(tokens, 1), torch.rand(tokens, K)))
@@ -90,10 +87,6 @@ def _body(rank: int, world: int) -> dict[str, object]:
 def test_errors_are_raised_on_every_rank() -> None:
     results = run_ranks(_body, 2, timeout=60)
     for rank, out in results.items():
-        assert out["capacity"].startswith("RuntimeError"), out["capacity"]
-        assert "needs 32 rows" in out["capacity"], out["capacity"]
-        assert "capacity is 16 rows" in out["capacity"], out["capacity"]
-        assert "expert_capacity_factor=1" in out["capacity"]
         assert out["too_many_tokens"].startswith("ValueError") and "EP rank 1" in out["too_many_tokens"]
         assert "exceed local_num_tokens=8" in out["too_many_tokens"], out["too_many_tokens"]
         assert "EP rank 0: tokens_per_expert" in out["tokens_per_expert"], out["tokens_per_expert"]
@@ -105,4 +98,3 @@ def test_errors_are_raised_on_every_rank() -> None:
         assert out["weight_grads_equal"], f"rank {rank}"
     assert results[0]["hidden_grad"] > 0 and results[1]["hidden_grad"] is None
     assert results[0]["config_mismatch"] == results[1]["config_mismatch"]
-    assert results[0]["capacity"] == results[1]["capacity"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hyperpar.multicore.moe import grouped_gemm
 from hyperpar.multicore.moe.grouped_gemm import (
     group_offsets,
     grouped_mm,
@@ -84,3 +85,55 @@ def test_fused_path_is_taken_when_it_applies(monkeypatch: pytest.MonkeyPatch) ->
         grouped_mm(rows, weight, COUNTS, offsets)
         grouped_weight_grad(rows, grad, COUNTS, offsets)
     assert calls == [torch.float32] * 2 + [torch.bfloat16] * 2  # float64 has no fused kernel: loop
+
+
+def _raising(exc: BaseException, calls: list[torch.Size]) -> object:
+    def fail(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        calls.append(b.shape)
+        raise exc
+    return fail
+
+
+@pytest.mark.parametrize("exc", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"),
+                                 RuntimeError("DefaultCPUAllocator: not enough memory: you tried to "
+                                              "allocate 1 GiB (out of memory)"),
+                                 RuntimeError("cuBLAS status execution failed")])
+def test_a_failing_fused_call_propagates(monkeypatch: pytest.MonkeyPatch, exc: BaseException) -> None:
+    monkeypatch.setattr(grouped_gemm, "_disabled", set())
+    calls: list[torch.Size] = []
+    monkeypatch.setattr(torch, "_grouped_mm", _raising(exc, calls))
+    rows, weight, _ = _operands(torch.float32)
+    offsets = group_offsets(COUNTS, rows.device)
+    for _ in range(2):  # the failure disables nothing: the next call tries the fused path again
+        with pytest.raises(type(exc), match=str(exc)[:12]):
+            grouped_mm(rows, weight, COUNTS, offsets)
+    assert len(calls) == 2 and not grouped_gemm._disabled
+
+
+@pytest.mark.parametrize("exc", [NotImplementedError("_grouped_mm: not implemented for 'Float'"),
+                                 RuntimeError("grouped gemm is not supported on this device")])
+def test_unsupported_disables_only_that_signature(monkeypatch: pytest.MonkeyPatch,
+                                                  exc: BaseException) -> None:
+    monkeypatch.setattr(grouped_gemm, "_disabled", set())
+    real = torch._grouped_mm
+    calls: list[torch.Size] = []
+    refuse = _raising(exc, calls)
+
+    def refuses_wide_float32(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        if a.dtype == torch.float32 and b.shape[-1] == 8:
+            return refuse(a, b, offs)  # type: ignore[operator]
+        calls.append(b.shape)
+        return real(a, b, offs=offs)
+
+    monkeypatch.setattr(torch, "_grouped_mm", refuses_wide_float32)
+    rows, weight, grad = _operands(torch.float32)
+    offsets = group_offsets(COUNTS, rows.device)
+    want_out, _ = _by_hand(rows, weight, grad)
+    for _ in range(2):  # the loop answers; the refused signature is not tried a second time
+        torch.testing.assert_close(grouped_mm(rows, weight, COUNTS, offsets), want_out)
+    assert calls == [weight.shape]
+    other = torch.randn(len(COUNTS), 16, 16)  # another shape, same dtype: still fused
+    grouped_mm(rows, other, COUNTS, offsets)
+    bf16_rows, bf16_weight, _ = _operands(torch.bfloat16)  # same shape, another dtype: still fused
+    grouped_mm(bf16_rows, bf16_weight, COUNTS, offsets)
+    assert calls == [weight.shape, other.shape, bf16_weight.shape]

@@ -1,25 +1,40 @@
-"""Forward and backward of the routed experts as one ``autograd.Function``.
+"""Forward and backward of the routed experts as two ``torch.library`` custom ops.
 
-Dispatch, expert compute and combine run per chunk of tokens with asynchronous
-all-to-alls, so while one chunk's rows are on the wire another chunk is computed;
-backward walks the same route in reverse. Everything saved for backward is an owned
-tensor, never a workspace view, so a shared workspace can serve the next layer
-before this layer's backward runs.
+``hyperpar::moe_experts`` plans the call (one small all-gather), dispatches the rows,
+runs the experts and combines; it returns the layer's output *and* the tensors its
+backward needs (the rows each expert received, their pre-activations, the per-route
+outputs). Its registered autograd formula saves those with ``save_for_backward`` and
+calls ``hyperpar::moe_experts_backward`` with them. So a ``TorchDispatchMode`` (an
+``OffloadSession``) sees the layer as one op per direction whose saved activations are
+ordinary outputs and inputs it can count, evict and page back, and
+``saved_tensors_hooks`` see every saved byte. Everything either op returns is an owned
+tensor, never a workspace view, and every collective has completed when it returns.
+
+Dispatch, expert compute and combine run per piece (a chunk of tokens, or the part of
+it one wave carries) with asynchronous all-to-alls, so while one piece's rows are on the
+wire another is computed; backward walks the same route in reverse. What the schema
+cannot carry (the route plan, the workspace, the process group) travels in a
+``MoeCall`` registered under an integer key for the duration of one op call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import inspect
+import itertools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .grouped_gemm import grouped_mm, grouped_weight_grad
-from .routing import ChunkRoute, RoutePlan
+from .routing import ChunkRoute, GradNeeds, RoutePlan, RoutingSetup, build_route_plan
 from .swiglu import swiglu, swiglu_backward
 from .workspace import MoeWorkspace
+
+Tensor = torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -29,58 +44,100 @@ class ExpertMath:
     group: dist.ProcessGroup | None
 
 
-def _exchange(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
-              math: ExpertMath) -> Any:
+@dataclass
+class MoeCall:
+    """The per-call state the custom ops cannot take as arguments."""
+
+    setup: RoutingSetup
+    workspace: MoeWorkspace
+    math: ExpertMath
+    needs: GradNeeds
+    weights_grad: bool  # topk_weights wants a gradient: keep the per-route outputs
+    plan: RoutePlan | None = None
+    wanted: tuple[bool, bool, bool, bool] = field(default=(False, False, False, False))  # backward
+
+
+# The rows an expert rank receives depend on the routing: both ops say their output sizes
+# are data-dependent (torch >= 2.7 takes tags on custom ops).
+_OP_TAGS: dict[str, Any] = ({"tags": (torch.Tag.dynamic_output_shape,)}
+                            if "tags" in inspect.signature(torch.library.custom_op).parameters else {})
+
+_CALLS: dict[int, MoeCall] = {}
+_KEYS = itertools.count(1)
+
+
+@contextmanager
+def _registered(call: MoeCall) -> Iterator[int]:
+    key = next(_KEYS)
+    _CALLS[key] = call
+    try:
+        yield key
+    finally:
+        del _CALLS[key]
+
+
+def _exchange(out: Tensor, inp: Tensor, out_splits: list[int], in_splits: list[int], math: ExpertMath) -> Any:
     return dist.all_to_all_single(out, inp, out_splits, in_splits, group=math.group, async_op=True)
 
 
-def _experts_forward(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, route: ChunkRoute,
-                     math: ExpertMath) -> tuple[torch.Tensor, torch.Tensor]:
+def _experts_forward(rows: Tensor, gate_up: Tensor, down: Tensor, route: ChunkRoute,
+                     math: ExpertMath) -> tuple[Tensor, Tensor]:
     pre = grouped_mm(rows, gate_up, route.expert_counts, route.expert_offsets)
     act = swiglu(pre, math.swiglu_limit)
     return pre, grouped_mm(act, down, route.expert_counts, route.expert_offsets)
 
 
-WeightGrads = Callable[[], tuple[torch.Tensor, torch.Tensor]]
+WeightGrads = Callable[[], tuple[Tensor, Tensor]]
 
 
-def _experts_backward(rows: torch.Tensor, pre: torch.Tensor, grad: torch.Tensor, gate_up: torch.Tensor,
-                      down: torch.Tensor, route: ChunkRoute, math: ExpertMath, want_weights: bool,
-                      want_rows: bool,
-                      ) -> tuple[torch.Tensor | None, WeightGrads | None]:
+def _experts_backward(rows: Tensor, pre: Tensor, grad: Tensor, gate_up: Tensor, down: Tensor,
+                      route: ChunkRoute, math: ExpertMath, want_weights: bool, want_rows: bool,
+                      ) -> tuple[Tensor | None, WeightGrads | None]:
     """The rows' gradient now, and (when wanted) the weight gradients as a deferred step:
-    the caller runs it while the rows' gradient is on the wire back."""
+    the caller runs it while the rows' gradient is on the wire back. The down-projection's
+    weight gradient is taken first, so the gradient rows and the recomputed activation are
+    freed before the largest gradient (``gate_up``'s) is allocated."""
     counts, offsets = route.expert_counts, route.expert_offsets
     act_grad = grouped_mm(grad, down.transpose(1, 2), counts, offsets)
     pre_grad, act = swiglu_backward(pre, act_grad, math.swiglu_limit, want_activation=want_weights)
     del act_grad
+    down_grad = None
+    if want_weights:
+        assert act is not None
+        down_grad = grouped_weight_grad(act, grad, counts, offsets)
+        del act
     rows_grad = None
     if want_rows:
         rows_grad = grouped_mm(pre_grad, gate_up.transpose(1, 2), counts, offsets)
-    if not want_weights:
+    if down_grad is None:
         return rows_grad, None
-    assert act is not None
-    activation = act
+    done_down = down_grad
 
-    def weight_grads() -> tuple[torch.Tensor, torch.Tensor]:
-        return (grouped_weight_grad(rows, pre_grad, counts, offsets),
-                grouped_weight_grad(activation, grad, counts, offsets))
+    def weight_grads() -> tuple[Tensor, Tensor]:
+        return grouped_weight_grad(rows, pre_grad, counts, offsets), done_down
     return rows_grad, weight_grads
 
 
-def _accumulate(total: torch.Tensor | None, part: torch.Tensor | None) -> torch.Tensor | None:
+def _accumulate(total: Tensor | None, part: Tensor | None) -> Tensor | None:
     if part is None:
         return total
     return part if total is None else total.add_(part)
 
 
+def _waves(plan: RoutePlan) -> list[list[tuple[int, ChunkRoute]]]:
+    waves: list[list[tuple[int, ChunkRoute]]] = [[] for _ in range(plan.waves)]
+    for index, route in enumerate(plan.chunks):
+        waves[route.wave].append((index, route))
+    return waves
+
+
 def route_rows(
-    source: torch.Tensor, source_is_tokens: bool, plan: RoutePlan, workspace: MoeWorkspace,
-    math: ExpertMath, compute: Any, return_results: bool = True, row_scale: torch.Tensor | None = None,
+    source: Tensor, source_is_tokens: bool, plan: RoutePlan, workspace: MoeWorkspace,
+    math: ExpertMath, compute: Any, return_results: bool = True, row_scale: Tensor | None = None,
     sum_over_k: bool = False, after_dispatch: Callable[[], None] | None = None,
     after_combine: Callable[[int], None] | None = None,
-) -> torch.Tensor | None:
-    """Send rows of ``source`` to their experts, run ``compute(chunk_index, route,
+) -> Tensor | None:
+    """Send rows of ``source`` to their experts, run ``compute(piece_index, route,
     expert_major_rows) -> expert_major_result`` there, and bring the results back
     un-permuted: returns a new [T*K, H] tensor in (token, k) order (or nothing, without
     the return trip, when ``return_results`` is False). ``source`` holds one row per
@@ -90,27 +147,25 @@ def route_rows(
     weight as it is gathered, so no weighted [T*K, H] copy of the source is made first.
     ``sum_over_k`` returns the results summed over each token's routes ([T, H]) instead,
     accumulated straight from the returned rows without un-permuting them first.
-    ``after_dispatch()`` runs once every chunk's rows are on the wire, ``after_combine(c)``
-    once chunk ``c``'s results are (or, without the return trip, once it is computed):
+    ``after_dispatch()`` runs once the first wave's rows are on the wire, ``after_combine(i)``
+    once piece ``i``'s results are (or, without the return trip, once it is computed):
     work that needs neither is hidden behind the communication."""
     total_rows = plan.num_tokens * plan.top_k
     hidden = source.shape[1]
-    result: torch.Tensor | None = None
+    result: Tensor | None = None
     if return_results:
         result = (source.new_zeros(plan.num_tokens, hidden) if sum_over_k
                   else source.new_empty(total_rows, hidden))
 
-    def pick(route: ChunkRoute) -> torch.Tensor:
-        return route.source_token if source_is_tokens else route.order
-
-    def gather(route: ChunkRoute, out: torch.Tensor | None = None) -> torch.Tensor:
-        rows = torch.index_select(source, 0, pick(route), out=out) if out is not None \
-            else source.index_select(0, pick(route))
+    def gather(route: ChunkRoute, out: Tensor | None = None) -> Tensor:
+        index = route.source_token if source_is_tokens else route.order
+        rows = torch.index_select(source, 0, index, out=out) if out is not None \
+            else source.index_select(0, index)
         if row_scale is not None:
             rows.mul_(row_scale.index_select(0, route.order).unsqueeze(1))
         return rows
 
-    def give_back(route: ChunkRoute, rows: torch.Tensor) -> None:
+    def give_back(route: ChunkRoute, rows: Tensor) -> None:
         assert result is not None
         if sum_over_k:
             result.index_add_(0, route.source_token, rows)
@@ -128,134 +183,220 @@ def route_rows(
                 after_combine(c)
         return result
 
-    # Each chunk owns a disjoint slice of both buffers. Its received rows are copied out
-    # (owned) before its results are written back into the same slice, and its combine
-    # lands in its send slice after its dispatch completed: two buffers serve four roles.
+    # Each piece of a wave owns a disjoint slice of both buffers. Its received rows are
+    # copied out (owned) before its results are written back into the same slice, and its
+    # combine lands in its send slice after its dispatch completed: two buffers serve four
+    # roles. A wave's combines complete before the next wave's rows reuse the receive buffer.
+    waves = _waves(plan)
+    wave_rows = max(sum(r.recv_rows for _, r in wave) for wave in waves)
     send_all = workspace.buffer("send", total_rows, hidden)
-    recv_all = workspace.buffer("recv", plan.recv_rows, hidden)
+    recv_all = workspace.buffer("recv", wave_rows, hidden)
 
-    def views(route: ChunkRoute) -> tuple[torch.Tensor, torch.Tensor]:
+    def views(route: ChunkRoute) -> tuple[Tensor, Tensor]:
         return (send_all[route.send_begin:route.send_begin + route.send_rows],
                 recv_all[route.recv_begin:route.recv_begin + route.recv_rows])
 
-    dispatches = []
-    for route in plan.chunks:
-        send, recv = views(route)
-        gather(route, send)
-        dispatches.append(_exchange(recv, send, route.recv_splits, route.send_splits, math))
-    if after_dispatch is not None:
-        after_dispatch()
-    combines = []
-    for c, (route, work) in enumerate(zip(plan.chunks, dispatches, strict=True)):
-        send, recv = views(route)
-        work.wait()
-        assert route.recv_to_expert is not None
-        out = compute(c, route, recv.index_select(0, route.recv_to_expert))
-        if result is not None:
-            recv.index_copy_(0, route.recv_to_expert, out)
-            combines.append(_exchange(send, recv, route.send_splits, route.recv_splits, math))
-        if after_combine is not None:
-            after_combine(c)
-    if result is not None:
-        for route, work in zip(plan.chunks, combines, strict=True):
+    for w, wave in enumerate(waves):
+        dispatches = []
+        for _, route in wave:
+            send, recv = views(route)
+            gather(route, send)
+            dispatches.append(_exchange(recv, send, route.recv_splits, route.send_splits, math))
+        if w == 0 and after_dispatch is not None:
+            after_dispatch()
+        combines = []
+        for (c, route), work in zip(wave, dispatches, strict=True):
+            send, recv = views(route)
             work.wait()
-            give_back(route, views(route)[0])
+            assert route.recv_to_expert is not None
+            out = compute(c, route, recv.index_select(0, route.recv_to_expert))
+            if result is not None:
+                recv.index_copy_(0, route.recv_to_expert, out)
+                combines.append(_exchange(send, recv, route.send_splits, route.recv_splits, math))
+            del out  # in the buffer now: not held while after_combine runs
+            if after_combine is not None:
+                after_combine(c)
+        if result is not None:
+            for (_, route), work in zip(wave, combines, strict=True):
+                work.wait()
+                give_back(route, views(route)[0])
     return result
 
 
-class MoeExpertsFunction(torch.autograd.Function):
-    """(hidden [T, H], topk_weights [T, K], gate_up [E_l, H, 2I], down [E_l, I, H]) -> [T, H].
+def _joined(parts: list[Tensor], like: Tensor, width: int) -> Tensor:
+    """One owned tensor of every piece's rows (no copy for a single piece)."""
+    if len(parts) == 1:
+        return parts[0]
+    if not parts:
+        return like.new_empty(0, width)
+    return torch.cat(parts)
 
-    The caller holds the workspace lease during forward; backward takes it itself."""
 
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, hidden: torch.Tensor, topk_weights: torch.Tensor, gate_up: torch.Tensor,
-        down: torch.Tensor, plan: RoutePlan, workspace: MoeWorkspace, math: ExpertMath,
-    ) -> torch.Tensor:
-        tokens, top_k = plan.num_tokens, plan.top_k
-        saved_rows: list[torch.Tensor] = []
-        saved_pre: list[torch.Tensor] = []
+def _forward(call: MoeCall, hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up: Tensor,
+             down: Tensor, tokens_per_expert: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    plan = call.plan = build_route_plan(call.setup, topk_ids, hidden.shape[0], tokens_per_expert,
+                                        grad_needs=call.needs)
+    math = call.math
+    tokens, top_k = plan.num_tokens, plan.top_k
+    hidden_size = hidden.shape[1]
+    keep = plan.backward_dispatch  # some EP rank runs the expert-side backward
+    saved_rows: list[Tensor] = []
+    saved_pre: list[Tensor] = []
 
-        def compute(c: int, route: ChunkRoute, rows: torch.Tensor) -> torch.Tensor:
-            pre, out = _experts_forward(rows, gate_up, down, route, math)
+    def compute(c: int, route: ChunkRoute, rows: Tensor) -> Tensor:
+        pre, out = _experts_forward(rows, gate_up, down, route, math)
+        if keep:
             saved_rows.append(rows)
             saved_pre.append(pre)
+        return out
+
+    expert_out = route_rows(hidden, True, plan, call.workspace, math, compute)
+    assert expert_out is not None
+    weights = topk_weights.to(expert_out.dtype).view(tokens, 1, top_k)
+    output = torch.bmm(weights, expert_out.view(tokens, top_k, hidden_size)).view(tokens, hidden_size)
+    return (output, _joined(saved_rows, hidden, hidden_size),
+            _joined(saved_pre, hidden, 2 * down.shape[1]),
+            expert_out if call.weights_grad else hidden.new_empty(0, hidden_size))
+
+
+@torch.library.custom_op("hyperpar::moe_experts", mutates_args=(), **_OP_TAGS)
+def _moe_experts_op(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up: Tensor, down: Tensor,
+                    tokens_per_expert: Tensor | None, call: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(output [T, H], expert input rows [R, H], pre-activations [R, 2I], per-route outputs
+    [T*K, H] or [0, H]); the last three are what backward reads."""
+    return _forward(_CALLS[call], hidden, topk_ids, topk_weights, gate_up, down, tokens_per_expert)
+
+
+@_moe_experts_op.register_fake
+def _moe_experts_fake(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up: Tensor, down: Tensor,
+                      tokens_per_expert: Tensor | None, call: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    ctx = torch.library.get_ctx()
+    rows = ctx.new_dynamic_size()
+    hidden_size = hidden.shape[1]
+    return (hidden.new_empty(hidden.shape), hidden.new_empty(rows, hidden_size),
+            hidden.new_empty(rows, 2 * down.shape[1]), hidden.new_empty(ctx.new_dynamic_size(), hidden_size))
+
+
+def _backward(call: MoeCall, grad_output: Tensor, topk_weights: Tensor, gate_up: Tensor, down: Tensor,
+              expert_out: Tensor, saved_rows: Tensor, saved_pre: Tensor) -> tuple[Tensor, ...]:
+    plan, math, workspace = call.plan, call.math, call.workspace
+    assert plan is not None
+    tokens, top_k = plan.num_tokens, plan.top_k
+    hidden_size = gate_up.shape[1]
+    grad = grad_output.to(gate_up.dtype).contiguous()
+    need_hidden, need_weights, need_gate_up, need_down = call.wanted
+    want_expert_weights = need_gate_up or need_down
+    weights_grad: Tensor | None = None
+
+    def routing_weights_grad() -> None:
+        nonlocal weights_grad
+        if need_weights:
+            weights_grad = torch.bmm(expert_out.view(tokens, top_k, hidden_size),
+                                     grad.view(tokens, hidden_size, 1)).view(tokens, top_k)
+            weights_grad = weights_grad.to(topk_weights.dtype)
+
+    hidden_grad = gate_up_grad = down_grad = None
+    # Whether gradient rows travel, and come back, is decided by every EP rank's needs
+    # (agreed in the plan), so one rank's frozen weights cannot leave another waiting.
+    if plan.backward_dispatch:
+        route_weights = topk_weights.to(grad.dtype).reshape(tokens * top_k)
+        weight_grads: list[Tensor | None] = [None, None]
+        deferred: list[WeightGrads | None] = [None]
+
+        def compute(c: int, route: ChunkRoute, rows: Tensor) -> Tensor | None:
+            piece = slice(route.saved_begin, route.saved_begin + route.recv_rows)
+            out, deferred[0] = _experts_backward(saved_rows[piece], saved_pre[piece], rows, gate_up, down,
+                                                 route, math, want_expert_weights, plan.backward_combine)
             return out
 
-        expert_out = route_rows(hidden, True, plan, workspace, math, compute)  # caller holds the lease
-        assert expert_out is not None
-        hidden_size = hidden.shape[1]
-        per_token = expert_out.view(tokens, top_k, hidden_size)
-        weights = topk_weights.to(expert_out.dtype).view(tokens, 1, top_k)
-        output = torch.bmm(weights, per_token).view(tokens, hidden_size)
-        if any(ctx.needs_input_grad[:4]):
-            # keep only what backward will read: the per-route outputs feed the routing-weight
-            # gradient, the expert inputs and pre-activations the expert-side gradients
-            ctx.save_for_backward(topk_weights, gate_up, down,
-                                  expert_out if ctx.needs_input_grad[1] else None)
-            ctx.saved_rows = saved_rows if plan.backward_dispatch else []
-            ctx.saved_pre = saved_pre if plan.backward_dispatch else []
-            ctx.plan = plan
-            ctx.workspace = workspace
-            ctx.math = math
-            ctx.pending = workspace.pending_backward()
-        return output
+        def expert_weight_grads(c: int) -> None:
+            step, deferred[0] = deferred[0], None
+            if step is not None:
+                gu, dn = step()
+                weight_grads[0] = _accumulate(weight_grads[0], gu)
+                weight_grads[1] = _accumulate(weight_grads[1], dn)
 
-    @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        topk_weights, gate_up, down, expert_out = ctx.saved_tensors
-        plan: RoutePlan = ctx.plan
-        math: ExpertMath = ctx.math
-        workspace: MoeWorkspace = ctx.workspace
-        tokens, top_k = plan.num_tokens, plan.top_k
-        hidden_size = gate_up.shape[1]
-        grad = grad_output.to(gate_up.dtype).contiguous()
-        need_hidden, need_weights, need_gate_up, need_down = ctx.needs_input_grad[:4]
-        want_expert_weights = need_gate_up or need_down
+        with workspace.lease("backward"):
+            back = route_rows(grad, True, plan, workspace, math, compute,
+                              return_results=plan.backward_combine, row_scale=route_weights,
+                              sum_over_k=True, after_dispatch=routing_weights_grad,
+                              after_combine=expert_weight_grads)
+        if need_hidden:
+            hidden_grad = back
+        gate_up_grad, down_grad = weight_grads
+        if want_expert_weights and gate_up_grad is None:  # no piece at all
+            gate_up_grad, down_grad = torch.zeros_like(gate_up), torch.zeros_like(down)
+    else:
+        routing_weights_grad()
+    return tuple(g if g is not None and wanted else grad.new_empty(0)  # distinct: outputs may not alias
+                 for g, wanted in zip((hidden_grad, weights_grad, gate_up_grad, down_grad), call.wanted,
+                                      strict=True))
 
-        weights_grad: torch.Tensor | None = None
 
-        def routing_weights_grad() -> None:
-            nonlocal weights_grad
-            if need_weights:
-                weights_grad = torch.bmm(expert_out.view(tokens, top_k, hidden_size),
-                                         grad.view(tokens, hidden_size, 1)).view(tokens, top_k)
-                weights_grad = weights_grad.to(topk_weights.dtype)
+@torch.library.custom_op("hyperpar::moe_experts_backward", mutates_args=(), **_OP_TAGS)
+def _moe_experts_backward_op(grad_output: Tensor, topk_weights: Tensor, gate_up: Tensor, down: Tensor,
+                             expert_out: Tensor, saved_rows: Tensor, saved_pre: Tensor,
+                             call: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of (hidden, topk_weights, gate_up, down); [0] where not wanted."""
+    call_state = _CALLS[call]
+    return _backward(call_state, grad_output, topk_weights, gate_up, down, expert_out, saved_rows, saved_pre)
 
-        hidden_grad = gate_up_grad = down_grad = None
-        # Whether gradient rows travel, and come back, is decided by every EP rank's needs
-        # (agreed in the plan), so one rank's frozen weights cannot leave another waiting.
-        if plan.backward_dispatch:
-            route_weights = topk_weights.to(grad.dtype).reshape(tokens * top_k)
-            weight_grads: list[torch.Tensor | None] = [None, None]
-            deferred: list[WeightGrads | None] = [None]
 
-            def compute(c: int, route: ChunkRoute, rows: torch.Tensor) -> torch.Tensor | None:
-                out, deferred[0] = _experts_backward(ctx.saved_rows[c], ctx.saved_pre[c], rows, gate_up,
-                                                     down, route, math, want_expert_weights,
-                                                     plan.backward_combine)
-                return out
+@_moe_experts_backward_op.register_fake
+def _moe_experts_backward_fake(grad_output: Tensor, topk_weights: Tensor, gate_up: Tensor, down: Tensor,
+                               expert_out: Tensor, saved_rows: Tensor, saved_pre: Tensor,
+                               call: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    ctx = torch.library.get_ctx()
+    return (grad_output.new_empty(ctx.new_dynamic_size(), grad_output.shape[1]),
+            topk_weights.new_empty(ctx.new_dynamic_size(), topk_weights.shape[1]),
+            gate_up.new_empty(ctx.new_dynamic_size(), *gate_up.shape[1:]),
+            down.new_empty(ctx.new_dynamic_size(), *down.shape[1:]))
 
-            def expert_weight_grads(c: int) -> None:
-                step, deferred[0] = deferred[0], None
-                if step is not None:
-                    gu, dn = step()
-                    weight_grads[0] = _accumulate(weight_grads[0], gu)
-                    weight_grads[1] = _accumulate(weight_grads[1], dn)
 
-            with workspace.lease("backward"):
-                back = route_rows(grad, True, plan, workspace, math, compute,
-                                  return_results=plan.backward_combine, row_scale=route_weights,
-                                  sum_over_k=True, after_dispatch=routing_weights_grad,
-                                  after_combine=expert_weight_grads)
-            if need_hidden:
-                hidden_grad = back
-            gate_up_grad, down_grad = weight_grads
-            if want_expert_weights and gate_up_grad is None:  # no chunk at all
-                gate_up_grad, down_grad = torch.zeros_like(gate_up), torch.zeros_like(down)
-        else:
-            routing_weights_grad()
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+    _, _, topk_weights, gate_up, down, _, key = inputs
+    _, rows, pre, expert_out = output
+    call = _CALLS[key]
+    ctx.call = call
+    ctx.save_for_backward(topk_weights, gate_up, down, expert_out, rows, pre)
+    ctx.mark_non_differentiable(rows, pre, expert_out)
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for the three saved outputs
+    ctx.pending = call.workspace.pending_backward()  # close() refuses until backward ran or the graph died
+
+
+def _backward_formula(ctx: Any, grad_output: Tensor | None, *_: Any) -> tuple[Tensor | None, ...]:
+    topk_weights, gate_up, down, expert_out, rows, pre = ctx.saved_tensors
+    call: MoeCall = ctx.call
+    need_hidden, _, need_weights, need_gate_up, need_down, _, _ = ctx.needs_input_grad
+    call.wanted = (need_hidden, need_weights, need_gate_up, need_down)
+    if grad_output is None:
+        grad_output = torch.zeros(call.plan.num_tokens if call.plan else 0, gate_up.shape[1],
+                                  dtype=gate_up.dtype, device=gate_up.device)
+    try:
+        with _registered(call) as key:
+            grads = torch.ops.hyperpar.moe_experts_backward(grad_output, topk_weights, gate_up, down,
+                                                            expert_out, rows, pre, key)
+    finally:
         ctx.pending.release()
-        return (hidden_grad, weights_grad, gate_up_grad if need_gate_up else None,
-                down_grad if need_down else None, None, None, None)
+    hidden_grad, weights_grad, gate_up_grad, down_grad = (
+        g if wanted else None for g, wanted in zip(grads, call.wanted, strict=True))
+    return hidden_grad, None, weights_grad, gate_up_grad, down_grad, None, None
+
+
+_moe_experts_op.register_autograd(_backward_formula, setup_context=_setup_context)
+
+
+@torch.compiler.disable  # a graph break: the call key and the plan live outside any graph
+def run_moe_experts(hidden: Tensor, num_tokens: int, topk_ids: Tensor, topk_weights: Tensor,
+                    gate_up: Tensor, down: Tensor, tokens_per_expert: Tensor | None, call: MoeCall,
+                    problems: list[str]) -> Tensor:
+    """The layer's output [T, H] for ``hidden`` ([..., H], ``num_tokens`` rows). ``problems``
+    are input errors the caller found: they are raised on every EP rank (the plan's exchange
+    carries them) before any op runs."""
+    with call.workspace.lease("forward"):  # the plan's collective must not interleave with another call's
+        if problems:
+            build_route_plan(call.setup, topk_ids, num_tokens, tokens_per_expert, problems, call.needs)
+            raise AssertionError("build_route_plan returned despite input problems")  # pragma: no cover
+        flat = hidden.reshape(num_tokens, hidden.shape[-1])
+        with _registered(call) as key:
+            return _moe_experts_op(flat, topk_ids, topk_weights, gate_up, down, tokens_per_expert, key)[0]

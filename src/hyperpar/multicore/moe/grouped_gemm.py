@@ -5,6 +5,11 @@
 only for some dtypes and needs 16-byte aligned strides, so every call checks that it
 applies and falls back to a loop of ``mm`` otherwise. Both paths give exact zeros for
 groups without rows.
+
+A fused call that fails is only ever retried as a loop when the kernel says it does not
+support the operands (``NotImplementedError``, or a message saying so), and then only
+that operand signature (device, dtype, kind, fixed sizes) stops trying the fused path.
+Any other failure, out-of-memory first of all, propagates unchanged.
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ import torch
 log = logging.getLogger(__name__)
 
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_disabled: set[tuple[str, torch.dtype]] = set()
+_UNSUPPORTED_WORDS = ("not supported", "not implemented", "unsupported", "only supports", "only supported")
+_disabled: set[tuple[object, ...]] = set()
 _force_loop = False
 
 
@@ -33,24 +39,30 @@ def _strides_aligned(t: torch.Tensor) -> bool:
     ) and t.data_ptr() % 16 == 0
 
 
-def _grouped_applies(*tensors: torch.Tensor) -> bool:
-    if _force_loop or not hasattr(torch, "_grouped_mm"):
+def _is_unsupported(exc: BaseException) -> bool:
+    """A kernel that refuses these operands, as opposed to one that failed running them."""
+    if isinstance(exc, torch.OutOfMemoryError):
         return False
-    first = tensors[0]
-    if first.dtype not in _GROUPED_DTYPES or (first.device.type, first.dtype) in _disabled:
-        return False
-    return all(_strides_aligned(t) for t in tensors)
+    if isinstance(exc, NotImplementedError):
+        return True
+    text = str(exc).lower()
+    return "out of memory" not in text and any(word in text for word in _UNSUPPORTED_WORDS)
 
 
-def _try_grouped(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor | None:
-    if not _grouped_applies(a, b):
+def _try_grouped(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
+                 signature: tuple[object, ...]) -> torch.Tensor | None:
+    if _force_loop or not hasattr(torch, "_grouped_mm") or a.dtype not in _GROUPED_DTYPES:
+        return None
+    key = (a.device.type, a.dtype, *signature)
+    if key in _disabled or not (_strides_aligned(a) and _strides_aligned(b)):
         return None
     try:
         return torch._grouped_mm(a, b, offs=offsets)
     except (RuntimeError, NotImplementedError) as exc:
-        _disabled.add((a.device.type, a.dtype))
-        log.info("torch._grouped_mm unavailable for %s %s, using a loop of mm: %s",
-                 a.device.type, a.dtype, exc)
+        if not _is_unsupported(exc):
+            raise
+        _disabled.add(key)
+        log.info("torch._grouped_mm does not support %s, using a loop of mm for it: %s", key, exc)
         return None
 
 
@@ -61,7 +73,7 @@ def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, counts: list[int],
     ``counts`` are the rows per group (host ints); ``offsets`` their int32 cumulative sum
     on the rows' device.
     """
-    fused = _try_grouped(rows, weight, offsets)
+    fused = _try_grouped(rows, weight, offsets, ("mm", *weight.shape, *weight.stride()))
     if fused is not None:
         return fused
     out = rows.new_empty(rows.shape[0], weight.shape[2])
@@ -76,7 +88,7 @@ def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, counts: list[int],
 def grouped_weight_grad(rows: torch.Tensor, grad: torch.Tensor, counts: list[int],
                         offsets: torch.Tensor) -> torch.Tensor:
     """``out[g] = rows[group g].T @ grad[group g]``: rows [R, K], grad [R, N] -> [G, K, N]."""
-    fused = _try_grouped(rows.t(), grad, offsets)
+    fused = _try_grouped(rows.t(), grad, offsets, ("weight_grad", len(counts), rows.shape[1], grad.shape[1]))
     if fused is not None:
         return fused
     out = rows.new_zeros(len(counts), rows.shape[1], grad.shape[1])

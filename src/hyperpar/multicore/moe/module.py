@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from contextlib import ExitStack
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import _disable_current_modes
 
 from hyperpar.multicore.collective import exchange, group_ranks, is_distributed
 from hyperpar.multicore.module import MulticoreModule
 
 from .config import DEFAULT_OVERLAP_CHUNKS, MoeExpertsConfig
-from .function import ExpertMath, MoeExpertsFunction
-from .offload_interop import call_opaque_to_offload
+from .function import ExpertMath, MoeCall, run_moe_experts
 from .routing import GradNeeds, RoutingSetup, build_route_plan, is_integer_tensor
 from .workspace import MoeWorkspace, WorkspaceSpec
 
@@ -189,8 +188,8 @@ class MoeExperts(MulticoreModule):
     def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
                 tokens_per_expert: torch.Tensor | None = None,
                 expert_weights: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        return call_opaque_to_offload(self._forward, hidden_states, topk_ids, topk_weights,
-                                      tokens_per_expert=tokens_per_expert, expert_weights=expert_weights)
+        return self._forward(hidden_states, topk_ids, topk_weights, tokens_per_expert=tokens_per_expert,
+                             expert_weights=expert_weights)
 
     def _forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
                  tokens_per_expert: torch.Tensor | None,
@@ -202,7 +201,10 @@ class MoeExperts(MulticoreModule):
         if self._routing is None:
             raise RuntimeError("MoeExperts: this is a copy of a closed layer whose ep_group was released")
         if not self._config_agreed:
-            self._agree_on_config()
+            # one-time lifecycle work, not part of a step: an OffloadSession tracing the step must
+            # not record its collective
+            with _disable_current_modes():
+                self._agree_on_config()
         cfg = self.config
         problems: list[str] = [] if refusal is None else [str(refusal)]
         hidden_ok = isinstance(hidden_states, torch.Tensor)
@@ -237,15 +239,17 @@ class MoeExperts(MulticoreModule):
         needs = GradNeeds() if problems else _grad_needs(hidden_states, topk_weights, gate_up, down)
         group = self._resource_group
         workspace: MoeWorkspace | None = None if group is None else group.resources
-        with ExitStack() as held:
-            if workspace is not None:  # the lease also covers the plan: its collective must not
-                held.enter_context(workspace.lease("forward"))  # interleave with another call's
-            plan = build_route_plan(self._routing, topk_ids, num_tokens, tokens_per_expert, problems, needs)
-            if workspace is None:  # the first call binds, collectively, once its inputs are agreed on
+        if workspace is None:
+            # The first call binds, collectively, once every rank's inputs are agreed on (the
+            # plan's exchange raises every rank's problems everywhere); lifecycle work again.
+            with _disable_current_modes():
+                build_route_plan(self._routing, topk_ids, num_tokens, tokens_per_expert, problems, needs)
                 workspace = self._get_execution_resources(hidden_states)
-                held.enter_context(workspace.lease("forward"))
-            flat = hidden_states.reshape(num_tokens, cfg.hidden_size)
-            out = MoeExpertsFunction.apply(flat, topk_weights, gate_up, down, plan, workspace, self._math)
+        call = MoeCall(self._routing, workspace, self._math, needs,
+                       weights_grad=torch.is_grad_enabled() and isinstance(topk_weights, torch.Tensor)
+                       and topk_weights.requires_grad)
+        out = run_moe_experts(hidden_states, num_tokens, topk_ids, topk_weights, gate_up, down,
+                              tokens_per_expert, call, problems)
         return out.view(hidden_states.shape)
 
     def extra_repr(self) -> str:

@@ -1,12 +1,15 @@
 """The route plan of one call: who sends which rows where, computed identically on every rank.
 
 One small all-gather carries every rank's per-chunk expert counts and its input
-problems, so validation failures and capacity overflows are raised with the same
-error on every rank before any token moves, and no rank is left inside a collective.
+problems, so validation failures are raised with the same error on every rank before
+any token moves, and no rank is left inside a collective. The same counts tell every
+rank how to split a call whose rows exceed a bounded receive capacity into waves:
+each wave fits the receive buffer on every rank, and the waves run one after another.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -18,17 +21,20 @@ _BAD_INPUT = 1
 
 @dataclass(frozen=True)
 class ChunkRoute:
-    """Routing of one chunk of tokens (chunks overlap one's communication with another's compute)."""
+    """Routing of one piece of a call: a chunk of tokens (chunks overlap one's communication
+    with another's compute), or the part of such a chunk that one wave carries."""
 
-    order: torch.Tensor  # [n] flattened (token, k) rows of the call, sorted by expert (stable)
+    order: torch.Tensor  # [n] flattened (token, k) rows of the call sent here, sorted by expert (stable)
     source_token: torch.Tensor  # [n] the token of each sorted row
     send_splits: list[int]  # rows sent to each EP rank
     recv_splits: list[int]  # rows received from each EP rank
     expert_counts: list[int]  # rows per local expert after dispatch
     expert_offsets: torch.Tensor  # int32 end offsets of expert_counts, on the rows' device
     recv_to_expert: torch.Tensor | None  # received (source-major) row -> expert-major position
-    send_begin: int  # first row of this chunk in the send-side workspace buffers
-    recv_begin: int  # first row of this chunk in the receive-side workspace buffers
+    send_begin: int  # first row of this piece in the send-side workspace buffer
+    recv_begin: int  # first row of this piece in the receive-side workspace buffer (per wave)
+    wave: int = 0  # pieces of one wave share the receive buffer; waves run one after another
+    saved_begin: int = 0  # first row of this piece among all rows this rank computes in the call
 
     @property
     def send_rows(self) -> int:
@@ -52,9 +58,10 @@ class GradNeeds:
 class RoutePlan:
     num_tokens: int
     top_k: int
-    chunks: tuple[ChunkRoute, ...]
-    recv_rows: int  # rows this rank receives over all chunks
+    chunks: tuple[ChunkRoute, ...]  # every piece, wave by wave
+    recv_rows: int  # rows this rank receives over all pieces (what its experts compute)
     max_recv_rows: int  # the largest receive count of any EP rank
+    waves: int = 1  # more than one only when a bounded capacity is exceeded
     backward_dispatch: bool = False  # some EP rank needs expert-side gradients
     backward_combine: bool = False  # some EP rank needs the hidden-state gradient
 
@@ -156,25 +163,45 @@ def _raise_input_problems(setup: RoutingSetup, statuses: list[int], problems: li
                      + "\n  ".join(lines))
 
 
+def _gather_segments(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Concatenated ``arange(start, start + length)`` of every segment, in segment order."""
+    total = int(lengths.sum())
+    dst_starts = torch.cumsum(lengths, 0) - lengths
+    shift = torch.repeat_interleave(starts - dst_starts, lengths, output_size=total)
+    return shift + torch.arange(total)
+
+
 def _recv_to_expert(per_source: torch.Tensor) -> torch.Tensor:
     """Index that reorders rows received source-major ([source][expert]) into expert-major order."""
-    sources, experts = per_source.shape
     lengths = per_source.reshape(-1)
-    source_major_start = torch.cumsum(lengths, 0) - lengths
-    expert_major_lengths = per_source.t().reshape(-1)
-    expert_major_src = source_major_start.view(sources, experts).t().reshape(-1)
-    expert_major_dst = torch.cumsum(expert_major_lengths, 0) - expert_major_lengths
-    total = int(lengths.sum())
-    shift = torch.repeat_interleave(expert_major_src - expert_major_dst, expert_major_lengths,
-                                    output_size=total)
-    return shift + torch.arange(total)
+    source_major_start = (torch.cumsum(lengths, 0) - lengths).view(per_source.shape)
+    return _gather_segments(source_major_start.t().reshape(-1), per_source.t().reshape(-1))
+
+
+def wave_counts(counts_all: torch.Tensor, capacity_rows: int) -> torch.Tensor:
+    """Split ``counts_all`` [source, chunk, destination, local expert] into waves
+    [wave, source, chunk, destination, local expert] so that no destination receives more
+    than ``capacity_rows`` rows in one wave. Each destination takes its rows in receive
+    order (chunk, source, expert), ``capacity_rows`` per wave, so a wave holds a contiguous
+    run of every (source, chunk, expert) block and the earlier waves hold its first rows."""
+    sources, chunks, dests, experts = counts_all.shape
+    per_dest = counts_all.permute(2, 1, 0, 3).reshape(dests, -1)
+    needed = int(per_dest.sum(1).max()) if per_dest.numel() else 0
+    waves = max(1, math.ceil(needed / capacity_rows))
+    if waves == 1:
+        return counts_all.unsqueeze(0)
+    ends = per_dest.cumsum(1)
+    starts = ends - per_dest
+    low = (torch.arange(waves) * capacity_rows).view(waves, 1, 1)
+    taken = (torch.minimum(ends, low + capacity_rows) - torch.maximum(starts, low)).clamp(min=0)
+    return taken.view(waves, dests, chunks, sources, experts).permute(0, 3, 2, 1, 4)
 
 
 def build_route_plan(setup: RoutingSetup, topk_ids: torch.Tensor, num_tokens: int,
                      tokens_per_expert: torch.Tensor | None = None,
                      caller_problems: list[str] | None = None,
                      grad_needs: GradNeeds | None = None) -> RoutePlan:
-    """Validate, exchange counts, check capacity (same error on every rank), derive splits.
+    """Validate (same error on every rank), exchange counts, derive splits and waves.
 
     ``caller_problems`` are input errors the caller found (shapes, dtypes): they are
     raised on every EP rank instead of only here, so no rank hangs in the next collective.
@@ -210,46 +237,51 @@ def build_route_plan(setup: RoutingSetup, topk_ids: torch.Tensor, num_tokens: in
     counts_all = gathered[:, len(fixed):].view(setup.ep_size, setup.chunks, setup.ep_size, local_experts)
     recv_per_rank = counts_all.sum(dim=(0, 1, 3))  # [ep_size] rows each rank receives
     max_recv = int(recv_per_rank.max())
-    if max_recv > setup.capacity_rows:
-        worst = int(recv_per_rank.argmax())
-        raise RuntimeError(
-            f"MoeExperts expert capacity exceeded: EP rank {worst} needs {max_recv} rows but the "
-            f"configured capacity is {setup.capacity_rows} rows ({setup.capacity_description}); "
-            f"rows needed per EP rank: {recv_per_rank.tolist()}. Raise expert_capacity_factor "
-            "or leave it None for lossless routing.")
-
-    device = topk_ids.device
-    me = setup.ep_rank
+    per_wave = wave_counts(counts_all, setup.capacity_rows)
     assert keys is not None
-    order = torch.argsort(keys, stable=True)  # by chunk, then expert; stable keeps token order
-    chunk_routes: list[ChunkRoute] = []
-    send_begin = 0
-    recv_begin = 0
-    for c in range(setup.chunks):
-        mine = counts_all[me, c]  # [ep_size, local_experts]
-        send_splits = mine.sum(1).tolist()
-        per_source = counts_all[:, c, me]  # [ep_size sources, local_experts]
-        recv_splits = per_source.sum(1).tolist()
-        expert_counts = per_source.sum(0).tolist()
-        chunk_rows = sum(send_splits)
-        chunk_order = order[send_begin:send_begin + chunk_rows]
-        recv_to_expert = None
-        if setup.ep_size > 1:
-            recv_to_expert = _recv_to_expert(per_source).to(device)
-        chunk_routes.append(ChunkRoute(
-            order=chunk_order,
-            source_token=torch.div(chunk_order, setup.top_k, rounding_mode="floor"),
-            send_splits=send_splits,
-            recv_splits=recv_splits,
-            expert_counts=expert_counts,
-            expert_offsets=torch.tensor(expert_counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-            .to(device),
-            recv_to_expert=recv_to_expert,
-            send_begin=send_begin,
-            recv_begin=recv_begin,
-        ))
-        send_begin += chunk_rows
-        recv_begin += sum(recv_splits)
+    chunk_routes = _pieces(setup, counts_all, per_wave, torch.argsort(keys, stable=True), topk_ids.device)
     return RoutePlan(num_tokens=num_tokens, top_k=setup.top_k, chunks=tuple(chunk_routes),
-                     recv_rows=recv_begin, max_recv_rows=max_recv,
+                     recv_rows=int(recv_per_rank[setup.ep_rank]), max_recv_rows=max_recv,
+                     waves=per_wave.shape[0],
                      backward_dispatch=backward_dispatch, backward_combine=backward_combine)
+
+
+def _pieces(setup: RoutingSetup, counts_all: torch.Tensor, per_wave: torch.Tensor, order: torch.Tensor,
+            device: torch.device) -> list[ChunkRoute]:
+    """One route per (wave, chunk) that carries rows anywhere; ``order`` sorts this rank's
+    rows by (chunk, expert)."""
+    me = setup.ep_rank
+    waves = per_wave.shape[0]
+    mine_all = counts_all[me]  # [chunk, destination, local expert]: this rank's sorted rows
+    chunk_begin = [0, *mine_all.sum(dim=(1, 2)).cumsum(0).tolist()]
+    routes: list[ChunkRoute] = []
+    send_begin = saved_begin = 0
+    for w in range(waves):
+        recv_begin = 0
+        for c in range(setup.chunks):
+            if waves > 1 and not int(per_wave[w, :, c].sum()):
+                continue  # nobody moves a row of this chunk in this wave
+            mine = per_wave[w, me, c]  # [destination, local expert]
+            chunk_order = order[chunk_begin[c]:chunk_begin[c + 1]]
+            if waves > 1:  # the part of every (destination, expert) block this wave carries
+                block = mine_all[c].reshape(-1)
+                block_start = torch.cumsum(block, 0) - block + per_wave[:w, me, c].sum(0).reshape(-1)
+                chunk_order = chunk_order[_gather_segments(block_start, mine.reshape(-1)).to(device)]
+            per_source = per_wave[w, :, c, me]  # [source, local expert]
+            expert_counts = per_source.sum(0).tolist()
+            route = ChunkRoute(
+                order=chunk_order,
+                source_token=torch.div(chunk_order, setup.top_k, rounding_mode="floor"),
+                send_splits=mine.sum(1).tolist(),
+                recv_splits=per_source.sum(1).tolist(),
+                expert_counts=expert_counts,
+                expert_offsets=torch.tensor(expert_counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+                .to(device),
+                recv_to_expert=_recv_to_expert(per_source).to(device) if setup.ep_size > 1 else None,
+                send_begin=send_begin, recv_begin=recv_begin, wave=w, saved_begin=saved_begin,
+            )
+            routes.append(route)
+            send_begin += route.send_rows
+            recv_begin += route.recv_rows
+            saved_begin += route.recv_rows
+    return routes

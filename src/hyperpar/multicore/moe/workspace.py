@@ -63,25 +63,30 @@ class MoeWorkspace:
         self._holder: str | None = None
         self._pending = 0
         self._closed = False
-        hidden = spec.hidden_size
         shapes: dict[str, int] = {}
         if spec.ep_size > 1:
             # send: this rank's rows out, then their results back in; recv: rows in at
             # capacity, then the expert outputs out. One rank alone needs no buffers.
             shapes = {"send": spec.send_rows, "recv": spec.capacity_rows}
-        self._buffers: dict[str, torch.Tensor] = {
-            name: torch.empty(rows, hidden, device=device, dtype=dtype) for name, rows in shapes.items()
-        }
+        self._rows = shapes
+        # Allocated on first use, inside the layer's op: binding can happen inside an
+        # OffloadSession, whose tracer must never take these buffers for activations.
+        self._buffers: dict[str, torch.Tensor] = {}
 
     def buffer(self, name: str, rows: int, hidden: int) -> torch.Tensor:
         """A [rows, hidden] view at the start of buffer ``name`` (only valid under the lease)."""
         if self._closed:
             raise RuntimeError("MoeExperts workspace is closed")
-        return self._buffers[name].view(-1)[:rows * hidden].view(rows, hidden)
+        full = self._buffers.get(name)
+        if full is None:
+            full = self._buffers[name] = torch.empty(self._rows[name], self.spec.hidden_size,
+                                                     device=self.device, dtype=self.dtype)
+        return full.view(-1)[:rows * hidden].view(rows, hidden)
 
     @property
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+        """Bytes the buffers hold (allocated at the first call that communicates)."""
+        return sum(rows * self.spec.hidden_size for rows in self._rows.values()) * self.dtype.itemsize
 
     @contextmanager
     def lease(self, what: str) -> Iterator[None]:
