@@ -236,6 +236,11 @@ class MoeExperts(MulticoreModule):
             problems.append("tokens_per_expert must be None or a tensor, "
                             f"got {type(tokens_per_expert).__name__}")
             tokens_per_expert = None
+        elif tokens_per_expert is not None and tokens_per_expert.device != device:
+            # caught here: a tensor on another device would send the layer's op elsewhere
+            problems.append(f"topk_ids or tokens_per_expert cannot be read: tokens_per_expert is on "
+                            f"{tokens_per_expert.device}, hidden_states on {device}")
+            tokens_per_expert = None
         needs = GradNeeds() if problems else _grad_needs(hidden_states, topk_weights, gate_up, down)
         group = self._resource_group
         workspace: MoeWorkspace | None = None if group is None else group.resources
