@@ -237,10 +237,7 @@ class OffloadSession:
         executor, mode = self._executor, self._mode
         assert executor is not None and mode is not None
         clean = exc_type is None
-        try:
-            mode.__exit__(None, None, None)
-        finally:
-            host_reads.step_ended(executor)
+        mode.__exit__(None, None, None)
         pending: BaseException | None = None
         try:
             self._sync()
@@ -258,7 +255,10 @@ class OffloadSession:
             else:
                 logger.exception("cleanup after a failed offload step failed; re-raising the original error")
         finally:
-            self._manager.clear()
+            try:
+                self._manager.clear()
+            finally:  # other threads' reads stay guarded until every storage is back and forgotten
+                host_reads.step_ended(executor)
             self._manager.describe_op = _outside_an_op  # no reference to the finished executor
             if not clean or pending is not None:
                 self._pool.trim()

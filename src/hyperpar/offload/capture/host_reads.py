@@ -143,8 +143,8 @@ def before_host_read(t: torch.Tensor, other_threads_only: bool = False) -> None:
         if not other_threads_only:
             mine.read_behind_dispatcher(storage)
         return
-    for ex, thread in list(_running.values()):
-        if ex is mine or ex.closed:
+    for ex, thread in list(_running.values()):  # a finishing step too: it is restoring storages
+        if ex is mine:
             continue
         sid = ex.table.lookup(storage)
         if sid is not None and sid not in ex.table.pinned:

@@ -112,6 +112,7 @@ class ReplayExecutor(ExecutorBase):
         self._limit = _limit(budget_bytes, program.planned_resident)
         self.relieved = False  # evicted beyond the plan: every op pages in and marks writes
         self.first_size = -1  # bytes of the step's first activation (picks the size's plan)
+        self._growth = 0.0  # when > 1: this step's sizes over the plan's; room is made before ops
 
     # --- ops (the hot path) ---------------------------------------------------------
     def run_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -179,6 +180,10 @@ class ReplayExecutor(ExecutorBase):
         moved = p.in_moved[i]
         if moved is not None:
             self._bring_moved(moved, p.writes[i])
+        if self._growth and p.made[i]:
+            made = int(p.made[i] * self._growth)
+            if table.live_bytes - m.away_bytes + made > self._limit:
+                self._relieve(i, set(expected), made)  # type: ignore[arg-type]
         if self.relieved:
             self._bring_any(func, tensor_inputs(args, kwargs), args, kwargs)
         timer = self.timer
@@ -308,6 +313,7 @@ class ReplayExecutor(ExecutorBase):
         the nearest larger one, which moves at least enough), if another is known."""
         self.first_size = nbytes
         want, p = size_bucket(nbytes), self.program
+        self._note_growth()
         if p.bucket == want:
             return
         same = [alt for alt in self.alternatives
@@ -360,9 +366,11 @@ class ReplayExecutor(ExecutorBase):
         if resident > self._limit:
             self._relieve(i)
 
-    def _relieve(self, i: int) -> None:
+    def _relieve(self, i: int, protected: Any = (), room: int = 0) -> None:
         """Holding more than planned (a larger size than the plan's, a release that could not
-        happen): evict the oldest activations the way warmup does, still following the plan."""
+        happen): evict the oldest activations the way warmup does, still following the plan.
+        Before an op of a step larger than its plan: make ``room`` for what it is about to
+        allocate, keeping its inputs (``protected``)."""
         if not self.relieved:
             self.relieved = True
             logger.info("replay holds %d bytes after op %d, over its limit of %d: evicting beyond "
@@ -371,7 +379,8 @@ class ReplayExecutor(ExecutorBase):
             with internal(self):
                 self.start_online()
         with internal(self):
-            self.enforce_budget((), target=max(self.budget_bytes, max(self.program.planned_resident)))
+            top = max(self.budget_bytes, max(self.program.planned_resident))
+            self.enforce_budget(protected, target=top - room)
 
     def describe_op(self) -> str:
         if self.online:
@@ -612,8 +621,14 @@ class ReplayExecutor(ExecutorBase):
         self.program = alt
         self._n = alt.num_ops
         self._limit = _limit(self.budget_bytes, alt.planned_resident)
+        self._note_growth()
         if self.relieved:
             self.start_online()
+
+    def _note_growth(self) -> None:
+        planned = self.program.trace.storage_sizes.get(0, 0)
+        ratio = self.first_size / planned if self.first_size > 0 and planned else 0.0
+        self._growth = ratio if ratio > 1.0 else 0.0
 
     def _diverge_after(self, i: int, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                        leaves: list[Any], why: str) -> None:

@@ -64,6 +64,7 @@ class ReplayProgram:
     in_moved: tuple[tuple[int, ...] | None, ...]  # moved sids the op reads or writes
     writes: tuple[tuple[int, ...] | None, ...]  # moved sids each op writes
     planned_resident: tuple[int, ...]  # the schedule's resident bytes per op (simulated)
+    made: tuple[int, ...]  # bytes of the new storages each op makes, at the planned sizes
     moved: frozenset[int]
     bucket: int  # size_bucket of the first activation's size this program was planned for
     trace: ActivationTrace  # a diverged replay takes its ops before the divergence from here
@@ -128,6 +129,7 @@ class ReplayProgram:
             in_moved=tuple(in_moved),
             writes=tuple(writes),
             planned_resident=tuple(planned_resident),
+            made=tuple(sum(trace.storage_sizes.get(sid, 0) for _, sid in b) if b else 0 for b in base.binds),
             moved=moved,
             bucket=size_bucket(trace.storage_sizes.get(0, 0)),
             trace=trace,
@@ -153,6 +155,6 @@ def _structure(trace: ActivationTrace, keys: list[Any]) -> ReplayProgram:
         keys=tuple(keys), names=tuple(op.name for op in trace.ops), in_sids=tuple(in_sids),
         binds=tuple(binds), region_accesses=tuple(regions), meta=tuple(meta), prefix=tuple(prefix),
         pinned=trace.pinned_sids, num_sids=max(trace.storage_sizes, default=-1) + 1,
-        pre=(), post=(), in_moved=(), writes=(), planned_resident=(), moved=frozenset(), bucket=0,
+        pre=(), post=(), in_moved=(), writes=(), planned_resident=(), made=(), moved=frozenset(), bucket=0,
         trace=trace,
     )
