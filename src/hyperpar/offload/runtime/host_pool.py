@@ -1,15 +1,30 @@
-"""Host slabs for offloaded activations: exact sizes (aligned), reused across steps, capped.
+"""Host slabs for offloaded activations: carved from a few arenas, reused, bounded, capped.
 
-Exact sizes instead of power-of-two buckets: activation sizes repeat step after step, so
-reuse by exact size wastes nothing and never lends a huge slab for a tiny request. Pinned
-slabs are carved from power-of-two arenas (the pinned allocator rounds every request up to
-a power of two; carving keeps a 300 MiB slab from costing 512 MiB). A slab comes back with
-the event of the last copy that used it, so its next copy can be ordered after that one.
+Sizes drift when sequence lengths or batch sizes do, so a free list per exact size would
+keep every size ever seen. Instead each slab (its size aligned to 512 bytes) is carved,
+best fit, from the free ranges of a few arenas, and a released slab merges with its free
+neighbours: a step whose sizes are new fits in memory an earlier step freed. Within a
+step the pool grows by arenas of half the bytes in use (1 to 64 MiB, or the slab's size),
+reaching the step's need in a few allocations. Between steps (``new_step``) it is fitted
+to the largest step peak of the last ``window_steps`` steps: after a step that grew it,
+its arenas are replaced by one arena of the same total (contiguous room where the step
+found scattered pieces); above twice that peak, by one of 1.25 times it. So held bytes
+stay within about twice the largest recent need whatever the mix of sizes, and
+allocations stop once the sizes repeat. Pinned arenas are powers of two (the pinned
+allocator rounds every request up to one; a layout uses at most two).
+
+A released slab keeps the event of its last copy; its range merges with a neighbour only
+once that copy is done, so a carved slab comes back with the one event its next copy
+must follow (None when idle). The carving is the same on both paths: only the arena
+allocator differs, and tests inject a plain one to exercise the pinned path on CPU.
 """
 
 from __future__ import annotations
 
 import logging
+from bisect import bisect_left, insort
+from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,7 +32,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 ALIGN_BYTES = 512
-ARENA_BYTES = 64 << 20
+MIN_ARENA_BYTES = 1 << 20
+ARENA_BYTES = 64 << 20  # largest growth step within a step (a larger slab: its own size)
+WINDOW_STEPS = 256  # steps whose largest peak the pool is fitted to
+TRIM_FACTOR = 2.0  # held bytes above this times that peak are given back between steps ...
+KEEP_FACTOR = 1.5  # ... down to this times it
 
 
 def aligned(nbytes: int) -> int:
@@ -28,105 +47,283 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-class HostPool:
-    """``acquire`` returns None at the cap: the caller keeps the storage on the device."""
+def _done(event: Any) -> bool:
+    """An event without ``query`` (a test marker) is never assumed complete."""
+    if event is None:
+        return True
+    query = getattr(event, "query", None)
+    return bool(query()) if query is not None else False
 
-    def __init__(self, cap_bytes: int, pin_memory: bool = False) -> None:
+
+def _plain_arena(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def _pinned_arena(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+class _Arena:
+    __slots__ = ("aid", "buffer", "lent", "size")
+
+    def __init__(self, aid: int, buffer: torch.Tensor) -> None:
+        self.aid = aid
+        self.buffer = buffer
+        self.size = buffer.numel()
+        self.lent = 0  # slabs carved from it and not yet released
+
+
+class HostPool:
+    """``acquire`` returns None at the cap: the caller keeps the storage on the device.
+
+    ``arena_allocator(nbytes) -> uint8 tensor`` replaces the default (``torch.empty``,
+    pinned when ``pin_memory``); ``pin_memory`` still selects the power-of-two arenas.
+    """
+
+    def __init__(self, cap_bytes: int, pin_memory: bool = False, *,
+                 arena_allocator: Callable[[int], torch.Tensor] | None = None,
+                 window_steps: int = WINDOW_STEPS) -> None:
         if isinstance(cap_bytes, bool) or not isinstance(cap_bytes, int) or cap_bytes < 0:
             raise ValueError(f"cap_bytes must be a non-negative int, got {cap_bytes!r}")
+        if isinstance(window_steps, bool) or not isinstance(window_steps, int) or window_steps < 1:
+            raise ValueError(f"window_steps must be a positive int, got {window_steps!r}")
         self.cap_bytes = cap_bytes
         self.pin_memory = pin_memory
-        self._free: dict[int, list[tuple[torch.Tensor, Any]]] = {}
+        self._allocate_arena = arena_allocator or (_pinned_arena if pin_memory else _plain_arena)
         self.in_use_bytes = 0
-        self.cached_bytes = 0
         self.cap_hits = 0
-        self.allocations = 0  # new host allocations (slabs, or arenas when pinned), ever
-        self._arenas: list[torch.Tensor] = []
-        self._arena_used = 0  # bytes carved from the newest arena
+        self.allocations = 0  # new host allocations (arenas), ever
+        self._held = 0
+        self._arenas: dict[int, _Arena] = {}
+        self._next_aid = 0
+        # free ranges, by (arena, start) -> (end, event), by (arena, end) -> start, and
+        # sorted by (length, arena, start) for best fit
+        self._free: dict[tuple[int, int], tuple[int, Any]] = {}
+        self._free_end: dict[tuple[int, int], int] = {}
+        self._by_length: list[tuple[int, int, int]] = []
+        self._lent: dict[int, tuple[int, int, int]] = {}  # slab data_ptr -> (arena, start, end)
+        self._pending = 0  # free ranges that still carry an event
+        self._step_peak = 0
+        self._recent_peaks: deque[int] = deque(maxlen=window_steps)
+        self._grew = False  # an arena was added since the last step began
         self._warned_cap = False
 
     @property
     def held_bytes(self) -> int:
-        """Host bytes this pool holds: arenas when pinned, else slabs in use or cached."""
-        if self.pin_memory:
-            return sum(a.numel() for a in self._arenas)
-        return self.in_use_bytes + self.cached_bytes
+        """Host bytes this pool holds: every arena, whether carved or free."""
+        return self._held
+
+    @property
+    def cached_bytes(self) -> int:
+        """Held bytes not lent out: free for reuse."""
+        return self._held - self.in_use_bytes
+
+    @property
+    def arena_sizes(self) -> list[int]:
+        """Bytes of each arena, largest first."""
+        return sorted((a.size for a in self._arenas.values()), reverse=True)
 
     def acquire(self, nbytes: int) -> torch.Tensor | None:
         got = self.acquire_with_event(nbytes)
         return None if got is None else got[0]
 
     def acquire_with_event(self, nbytes: int) -> tuple[torch.Tensor, Any] | None:
-        """A slab of at least ``nbytes`` and the event of its last copy (None when idle)."""
+        """A slab of ``aligned(nbytes)`` and the event of the last copy that used its memory
+        (None when idle), or None at the cap."""
         size = aligned(max(nbytes, 1))
-        bucket = self._free.get(size)
-        if bucket:
-            slab, event = bucket.pop()
-            self.cached_bytes -= size
-            self.in_use_bytes += size
-            return slab, event
-        slab = self._carve(size) if self.pin_memory else self._allocate(size)
-        if slab is None:
+        found = self._best_fit(size)
+        if found is None and self._pending:
+            self._settle()
+            found = self._best_fit(size)
+        if found is None and self._grow(size):
+            found = self._best_fit(size)
+        if found is None:
             self.cap_hits += 1
             if not self._warned_cap:
                 self._warned_cap = True
                 logger.warning("host pool cap of %d bytes reached (%d in use, %d requested): "
                                "storages stay on the device", self.cap_bytes, self.in_use_bytes, size)
             return None
+        aid, start, event = found
+        arena = self._arenas[aid]
+        slab = arena.buffer[start:start + size]
+        self._lent[slab.data_ptr()] = (aid, start, start + size)
+        arena.lent += 1
         self.in_use_bytes += size
-        return slab, None
+        if self.in_use_bytes > self._step_peak:
+            self._step_peak = self.in_use_bytes
+        return slab, event
 
     def release(self, slab: torch.Tensor, event: Any = None) -> None:
-        size = slab.numel()
-        self.in_use_bytes -= size
-        self._free.setdefault(size, []).append((slab, event))
-        self.cached_bytes += size
+        """Give a slab back with the event of the last copy that used it (None: none in flight)."""
+        where = self._lent.pop(slab.data_ptr(), None)
+        if where is None:
+            raise ValueError(f"release: this slab ({slab.numel()} bytes at {slab.data_ptr():#x}) "
+                             f"is not lent by this pool")
+        aid, start, end = where
+        self._arenas[aid].lent -= 1
+        self.in_use_bytes -= end - start
+        self._add_free(aid, start, end, event)
 
     def new_step(self) -> None:
-        """The cap warning is logged once per step."""
+        """Between steps: the last step's peak joins the window and the arenas are fitted to
+        the window (see the module doc); the cap warning is logged once per step."""
         self._warned_cap = False
+        self._recent_peaks.append(self._step_peak)
+        self._step_peak = self.in_use_bytes
+        if self._pending:
+            self._settle()
+        self._refit(max(self._recent_peaks))
+        self._grew = False
 
     def trim(self) -> None:
-        """Free every cached slab (after a failed step, or to give memory back)."""
-        self._free.clear()
-        self.cached_bytes = 0
-        if self.in_use_bytes == 0:
-            self._arenas.clear()
-            self._arena_used = 0
+        """Free every arena with nothing lent (after a failed step, or to give memory back)."""
+        for arena in [a for a in self._arenas.values() if a.lent == 0]:
+            self._drop_arena(arena)
+        self._empty_pinned_cache()
 
-    # --- allocation -----------------------------------------------------------------
-    def _allocate(self, size: int) -> torch.Tensor | None:
-        if self.in_use_bytes + self.cached_bytes + size > self.cap_bytes:
-            self._drop_cached(self.in_use_bytes + self.cached_bytes + size - self.cap_bytes)
-        if self.in_use_bytes + self.cached_bytes + size > self.cap_bytes:
+    # --- free ranges ----------------------------------------------------------------
+    def _best_fit(self, size: int) -> tuple[int, int, Any] | None:
+        """Carve ``size`` bytes from the smallest free range that holds them."""
+        by_length = self._by_length
+        i = bisect_left(by_length, (size, -1, -1))
+        if i == len(by_length):
             return None
+        length, aid, start = by_length.pop(i)
+        end, event = self._remove_free(aid, start, listed=False)
+        if length > size:
+            self._insert_free(aid, start + size, end, event)
+        return aid, start, event
+
+    def _add_free(self, aid: int, start: int, end: int, event: Any) -> None:
+        """Insert a range, merged with its free neighbours when no copy still uses either."""
+        if _done(event):
+            event = None
+            # a neighbour freed while its copy ran was not merged with its own neighbours
+            free, free_end = self._free, self._free_end
+            while (left := free_end.get((aid, start))) is not None and _done(free[(aid, left)][1]):
+                self._remove_free(aid, left)
+                start = left
+            while (right := free.get((aid, end))) is not None and _done(right[1]):
+                self._remove_free(aid, end)
+                end = right[0]
+        self._insert_free(aid, start, end, event)
+
+    def _insert_free(self, aid: int, start: int, end: int, event: Any) -> None:
+        self._free[(aid, start)] = (end, event)
+        self._free_end[(aid, end)] = start
+        insort(self._by_length, (end - start, aid, start))
+        if event is not None:
+            self._pending += 1
+
+    def _remove_free(self, aid: int, start: int, listed: bool = True) -> tuple[int, Any]:
+        end, event = self._free.pop((aid, start))
+        del self._free_end[(aid, end)]
+        if listed:
+            by_length = self._by_length
+            del by_length[bisect_left(by_length, (end - start, aid, start))]
+        if event is not None:
+            self._pending -= 1
+        return end, event
+
+    def _settle(self) -> None:
+        """Merge the ranges whose last copy has finished since they were freed."""
+        for key in [k for k, (_, event) in self._free.items() if event is not None]:
+            current = self._free.get(key)  # an earlier merge may have taken it in
+            if current is not None and current[1] is not None and _done(current[1]):
+                end, _ = self._remove_free(*key)
+                self._add_free(key[0], key[1], end, None)
+
+    # --- arenas ---------------------------------------------------------------------
+    def _growth_bytes(self, size: int) -> int:
+        grow = min(ARENA_BYTES, max(MIN_ARENA_BYTES, self.in_use_bytes // 2))
+        if self.pin_memory:
+            return max(_next_pow2(size), 1 << (grow.bit_length() - 1))
+        return max(size, grow)
+
+    def _layout(self, total: int) -> list[int]:
+        """Arena sizes that hold ``total`` bytes: one arena, or when pinned the fewest powers
+        of two, at most two (a third more at worst, against twice for one)."""
+        if total <= 0:
+            return []
+        if not self.pin_memory:
+            return [total]
+        high = 1 << (total.bit_length() - 1)
+        if high == total:
+            return [high]
+        rest = _next_pow2(total - high)
+        return [high, rest] if rest < high else [2 * high]
+
+    def _grow(self, size: int) -> bool:
+        """Add an arena that holds ``size``; within the cap, freeing idle arenas if need be."""
+        room = self.cap_bytes - self._held
+        want = self._growth_bytes(size)
+        if want > room:
+            want = size  # the last bit of room under the cap: exact, whatever it costs
+        if want > room:
+            for arena in sorted((a for a in self._arenas.values() if a.lent == 0), key=lambda a: a.size):
+                self._drop_arena(arena)
+                if want <= self.cap_bytes - self._held:
+                    break
+        if want > self.cap_bytes - self._held:
+            return False
+        self._new_arena(want)
+        self._grew = True
+        return True
+
+    def _new_arena(self, nbytes: int) -> None:
+        buffer = self._allocate_arena(nbytes)
         self.allocations += 1
-        return torch.empty(size, dtype=torch.uint8)
+        arena = _Arena(self._next_aid, buffer)
+        self._next_aid += 1
+        self._arenas[arena.aid] = arena
+        self._held += arena.size
+        self._insert_free(arena.aid, 0, arena.size, None)
 
-    def _carve(self, size: int) -> torch.Tensor | None:
-        arena = self._arenas[-1] if self._arenas else None
-        if arena is None or arena.numel() - self._arena_used < size:
-            reserved = sum(a.numel() for a in self._arenas)
-            want = max(ARENA_BYTES, _next_pow2(size))
-            if reserved + want > self.cap_bytes:
-                want = size  # the last bit of room under the cap: exact, whatever it costs
-                if reserved + want > self.cap_bytes:
-                    return None
-            self.allocations += 1
-            arena = torch.empty(want, dtype=torch.uint8, pin_memory=True)
-            self._arenas.append(arena)
-            self._arena_used = 0
-        slab = arena[self._arena_used: self._arena_used + size]
-        self._arena_used += size
-        return slab
+    def _refit(self, need: int) -> None:
+        """Between steps: fit the arenas to the window's peak ``need``. Above ``TRIM_FACTOR``
+        times it (or the layout of ``KEEP_FACTOR`` times it, if larger) the pool is laid out
+        anew at the latter; after a step that grew the pool, its arenas become one layout of
+        the same total (contiguous room where the step found only scattered pieces)."""
+        keep = sum(self._layout(aligned(int(KEEP_FACTOR * need))))
+        if self._held > max(TRIM_FACTOR * need, keep):
+            target = keep
+        elif self._grew:
+            target = max(self._held, keep)
+        else:
+            return
+        if any(a.lent for a in self._arenas.values()):  # slabs still out: only drop idle arenas
+            for arena in sorted((a for a in self._arenas.values() if a.lent == 0), key=lambda a: -a.size):
+                if self._held - arena.size >= target:
+                    self._drop_arena(arena)
+            return
+        self._drop_all()
+        sizes = self._layout(target)
+        if sum(sizes) > self.cap_bytes:
+            sizes = [target] if target <= self.cap_bytes else []
+        for nbytes in sizes:
+            self._new_arena(nbytes)
 
-    def _drop_cached(self, need: int) -> None:
-        for size in sorted(self._free, reverse=True):
-            bucket = self._free[size]
-            while bucket and need > 0:
-                bucket.pop()
-                self.cached_bytes -= size
-                need -= size
-            if need <= 0:
-                break
-        self._free = {s: b for s, b in self._free.items() if b}
+    def _drop_all(self) -> None:
+        """Drop every arena (none may be lent) and, when pinned, the allocator's cache of them."""
+        self._arenas.clear()
+        self._free.clear()
+        self._free_end.clear()
+        self._by_length.clear()
+        self._pending = 0
+        self._held = 0
+        self._empty_pinned_cache()
+
+    def _drop_arena(self, arena: _Arena) -> None:
+        aid = arena.aid
+        for key in [k for k in self._free if k[0] == aid]:
+            self._remove_free(*key)
+        del self._arenas[aid]
+        self._held -= arena.size
+
+    def _empty_pinned_cache(self) -> None:
+        """Pinned blocks freed here stay cached by torch's host allocator unless emptied."""
+        if self.pin_memory and self._allocate_arena is _pinned_arena:
+            empty = getattr(torch.accelerator, "empty_host_cache", None)
+            if empty is not None and torch.accelerator.is_available():
+                empty()
