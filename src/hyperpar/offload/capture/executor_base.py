@@ -263,7 +263,7 @@ class ExecutorBase:
                     bound[li] = sid
                 continue
             plain = self._plain.get(id(st))
-            if (plain is not None and plain() is st) or leaf.device != dev:
+            if (plain is not None and plain() is st) or st.device != dev:  # a fake tensor: meta
                 continue
             nbytes = st.nbytes()
             if nbytes and not any(s is st for _, s, _, _ in new):
