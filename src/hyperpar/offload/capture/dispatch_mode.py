@@ -72,7 +72,7 @@ COMPILE_ERROR = (
     "found automatically; wrap any other compiled callable (a torch.compile'd function, a "
     "module compiled in place with module.compile()) in hyperpar.offload.skip_offload, e.g. "
     "`block = skip_offload(torch.compile(block_fn))`, or call it outside the session. "
-    "See docs/compile.md."
+    "See docs/works_with.md."
 )
 
 
