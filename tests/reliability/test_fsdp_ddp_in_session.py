@@ -19,6 +19,7 @@ from tests.reliability.fsdp_ddp_bodies import offload_matches_plain
 FRACTIONS = (0.5, 0.0)
 
 
+@pytest.mark.slow  # two spawned ranks, each importing torch and FSDP2: about 10 s on 2 busy cores
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", ["fsdp", "ddp"])
 def test_offload_inside_fsdp2_and_ddp_matches_plain(kind: str) -> None:
