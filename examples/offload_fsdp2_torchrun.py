@@ -9,9 +9,9 @@ may go to host. The script measures the activation peak of a steady step, trains
 ``--fraction`` of it and without a session, and checks that each rank's losses and shards
 are bitwise equal.
 
-    torchrun --nproc-per-node 2 examples/offload_fsdp2_torchrun.py               # gloo on CPU
-    torchrun --nproc-per-node 2 examples/offload_fsdp2_torchrun.py --wrap ddp --size tiny
-    torchrun --nproc-per-node 2 examples/offload_fsdp2_torchrun.py --device cuda # NCCL
+    .venv/bin/torchrun --nproc-per-node 2 examples/offload_fsdp2_torchrun.py               # gloo on CPU
+    .venv/bin/torchrun --nproc-per-node 2 examples/offload_fsdp2_torchrun.py --wrap ddp --size tiny
+    .venv/bin/torchrun --nproc-per-node 2 examples/offload_fsdp2_torchrun.py --device cuda # NCCL
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ built from a config with random weights (nothing is downloaded). The script meas
 activation peak, trains with gradient accumulation at 40 % of it, trains the same steps with
 the plain Trainer, and checks that the final weights are bitwise equal.
 
-    python examples/offload_hf_trainer.py            # small: about a minute on 2 CPU cores
-    python examples/offload_hf_trainer.py --size tiny
+    .venv/bin/python examples/offload_hf_trainer.py            # small: about a minute on 2 CPU cores
+    .venv/bin/python examples/offload_hf_trainer.py --size tiny
 """
 
 from __future__ import annotations
