@@ -12,7 +12,7 @@ DOCS = Path(__file__).resolve().parents[2] / "docs"
 PACKAGES = [
     "hyperpar.offload", "hyperpar.offload.api", "hyperpar.offload.ir", "hyperpar.offload.capture",
     "hyperpar.offload.planning", "hyperpar.offload.runtime", "hyperpar.multicore", "hyperpar.multicore.moe",
-    "hyperpar.models", "hyperpar.demo",
+    "hyperpar.models", "hyperpar.demo", "hyperpar.integrations", "hyperpar.integrations.hf",
 ]
 
 

@@ -74,6 +74,23 @@ def _moe_torchrun(out: str) -> None:
         assert f"rank {rank}: step 1 loss" in out
 
 
+def _hf_trainer(out: str) -> None:
+    assert "final weights bitwise equal: True" in out and "last micro-batch: replay:" in out
+
+
+def _fsdp2_torchrun(out: str) -> None:
+    for rank in (0, 1):
+        assert f"rank {rank}: fsdp on cpu" in out
+    assert out.count("losses bitwise equal: True, shards bitwise equal: True") == 2
+
+
+def _compile_bench(out: str) -> None:
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[2:]}
+    assert set(rows) == {"eager", "compiled", "session_peak", "session_50"}
+    assert rows["compiled"][2] == "1.000"  # the reference of the ratios
+    assert float(rows["session_peak"][-1]) == 0 < float(rows["session_50"][-1])  # MiB to host
+
+
 def _mixtral(out: str) -> None:
     assert "output matches the original block" in out and "training losses" in out
 
@@ -110,6 +127,13 @@ KNOWN: dict[str, Run | Skip] = {
     ".venv/bin/torchrun --nproc-per-node 2 examples/moe_torchrun.py --size tiny": Run(
         ("--steps", "2"), _moe_torchrun),
     ".venv/bin/torchrun --nproc-per-node 2 examples/moe_hf_mixtral.py": Run((), _mixtral, "hf"),
+    ".venv/bin/python examples/offload_hf_trainer.py --size tiny": Run(("--steps", "2"), _hf_trainer, "hf"),
+    ".venv/bin/torchrun --nproc-per-node 2 examples/offload_fsdp2_torchrun.py --size tiny": Run(
+        ("--steps", "3"), _fsdp2_torchrun),
+    ".venv/bin/torchrun --nproc-per-node 2 examples/offload_fsdp2_torchrun.py --size small --steps 6": Run(
+        ("--size", "tiny", "--steps", "3"), _fsdp2_torchrun),
+    ".venv/bin/python benchmarks/compile_in_session.py": Run(
+        ("--quick", "--backend", "aot_eager", "--out", "{tmp}/compile.json"), _compile_bench),
     ".venv/bin/hyperpar bench offload --steps 15 --threads 1 --out benchmarks/results/offload.json": Run(
         ("--quick", "--steps", "2")),
     ".venv/bin/hyperpar bench planner --out benchmarks/results/planner.json --plots benchmarks/results": Run(

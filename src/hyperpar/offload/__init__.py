@@ -1,10 +1,11 @@
 """Activation offload: trace a step, plan what to move to host, replay the plan."""
 
 from hyperpar.offload.api import OffloadConfig, OffloadSession, skip_offload
-from hyperpar.offload.capture import OffloadDivergenceError
+from hyperpar.offload.capture import OffloadCompileError, OffloadDivergenceError
 from hyperpar.offload.ir.report import StepReport
 
 __all__ = [
+    "OffloadCompileError",
     "OffloadConfig",
     "OffloadDivergenceError",
     "OffloadSession",

@@ -39,7 +39,9 @@ _STRIDED = torch.strided
 # func -> how the op treats its buffers (cached: this is on every op's path of warmup).
 PLAIN, COLLECTIVE = 0, 1
 _KIND: dict[Any, int] = {}
-_COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd"})
+# fsdp: FSDP2's all-gather copy-in/out and reduce-scatter chunk_cat, whose buffers it frees and
+# re-allocates itself with storage.resize_ (behind the dispatcher): never ours to move.
+_COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "fsdp"})
 _NAMES: dict[Any, str] = {}
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
@@ -263,7 +265,7 @@ class ExecutorBase:
                     bound[li] = sid
                 continue
             plain = self._plain.get(id(st))
-            if (plain is not None and plain() is st) or leaf.device != dev:
+            if (plain is not None and plain() is st) or st.device != dev:  # a fake tensor: meta
                 continue
             nbytes = st.nbytes()
             if nbytes and not any(s is st for _, s, _, _ in new):

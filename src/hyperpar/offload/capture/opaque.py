@@ -146,3 +146,22 @@ def _after_node(graph: _RegionGraph, exits: tuple[int, ...], grad_inputs: tuple[
         if not ex.closed:
             with internal(ex):
                 ex.end_opaque(token, grads)
+
+
+def run_hop(ex: ExecutorBase, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A higher-order operator call (flex_attention, cond...) as one opaque op.
+
+    The dispatch mode is off its stack while it handles the call, so the operator's inner
+    ops are not seen: its reads are every tensor among its arguments (captured tensors of a
+    score_mod or a branch come as arguments too), paged in before it runs. Its autograd
+    runs above the mode: a backward arrives as another higher-order op.
+    """
+    name = "hop." + str(func.name() if callable(getattr(func, "name", None)) else func)
+    inputs = device_storages(ex, tree_leaves((args, kwargs)))
+    with internal(ex):
+        token = ex.begin_opaque(name, inputs)
+    with untraced(ex):
+        out = func(*args, **kwargs)
+    with internal(ex):
+        ex.end_opaque(token, [o for o in tree_leaves(out) if isinstance(o, Tensor)])
+    return out
