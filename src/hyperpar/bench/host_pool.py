@@ -8,7 +8,8 @@ Two scenarios, each reporting held bytes, host allocations and process RSS at ch
    host copy goes stale), and frees them in reverse order with a pending copy event;
 2. an ``OffloadSession`` training the package's GPT with random batch sizes and sequence
    lengths at a budget that forces offload (plain path on CPU).
-Writes ``benchmarks/results/host_pool.json`` (or ``--out``).
+Writes ``hyperpar-bench/host_pool.json``, or ``--out`` (``benchmarks/results/host_pool.json``
+updates the committed result).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--session-steps", type=int, default=300,
                         help="steps of the OffloadSession scenario (0: skip it)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/host_pool.json"))
+    parser.add_argument("--out", type=Path, default=Path("hyperpar-bench/host_pool.json"))
 
 
 def rss_bytes() -> int:
