@@ -45,6 +45,7 @@ from hyperpar.offload.capture import (
 )
 from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
 from hyperpar.offload.ir.report import StepReport
+from hyperpar.offload.planning import gc_pause
 from hyperpar.offload.planning.floor import BudgetFloor, budget_floor
 from hyperpar.offload.planning.sweep import deficit_warnings_muted
 from hyperpar.offload.runtime import (
@@ -230,6 +231,8 @@ class OffloadSession:
             executor.timer.begin_step()
         self._t0 = time.perf_counter()
         self._mode.__enter__()
+        if isinstance(executor, WarmupExecutor):
+            gc_pause.hold()  # the trace is many small acyclic objects: collect after the step
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -259,6 +262,8 @@ class OffloadSession:
                 self._manager.clear()
             finally:  # other threads' reads stay guarded until every storage is back and forgotten
                 host_reads.step_ended(executor)
+                if isinstance(executor, WarmupExecutor):
+                    gc_pause.release()
             self._manager.describe_op = _outside_an_op  # no reference to the finished executor
             if not clean or pending is not None:
                 self._pool.trim()
