@@ -141,6 +141,8 @@ KNOWN: dict[str, Run | Skip] = {
     ".venv/bin/hyperpar bench moe --runs 3 --out benchmarks/results/moe.json": Skip(
         "tests/multicore/moe/test_bench_quick.py runs the quick MoE benchmark end to end"),
     ".venv/bin/python -m hyperpar.bench.host_pool": Run(("--steps", "20", "--session-steps", "3")),
+    ".venv/bin/python benchmarks/variable_lengths.py --out benchmarks/results/variable_lengths.json": Run(
+        ("--steps", "6")),
     ".venv/bin/python benchmarks/gpu/run.py": Skip(
         "tests/benchmarks/test_gpu_script.py runs it as written at --device cpu --size tiny"),
     ".venv/bin/python -m pytest -q tests/reliability": Skip("a part of this test suite"),
