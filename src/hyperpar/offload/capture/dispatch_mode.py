@@ -55,6 +55,7 @@ except ImportError:  # pragma: no cover - older torch: cache hits are not checke
 _infra_mode = torch._C._get_dispatch_mode
 _eval_frame_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback
 _set_eval_frame = torch._C._dynamo.eval_frame.set_eval_frame
+_NO_KWARGS: dict[str, Any] = {}  # never written to: ops take ``**kwargs`` copies
 _FAKE = torch._C._TorchDispatchModeKey.FAKE
 _PROXY = torch._C._TorchDispatchModeKey.PROXY
 _state = threading.local()  # .entering: this thread is pushing an offload mode
@@ -103,7 +104,9 @@ class OffloadDispatchMode(TorchDispatchMode):
         if func.__class__ is not OpOverload and isinstance(func, HigherOrderOperator):
             if not (ex.passthrough or ex.opaque_depth or ex.closed):
                 return run_hop(ex, func, args, kwargs or {})
-        return ex.dispatch(func, types, args, kwargs)
+        if ex.passthrough or ex.opaque_depth:
+            return ex.dispatch(func, types, args, kwargs)
+        return ex.run_op(func, args, kwargs or _NO_KWARGS)  # the common case, one call less
 
     def _outside_dynamo(self, func: Any, types: Any, args: tuple[Any, ...],
                         kwargs: dict[str, Any] | None) -> Any:
