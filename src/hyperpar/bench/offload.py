@@ -5,6 +5,7 @@ machine's state affects both alike:
 1. budget = the activation peak (nothing needs to move): replay / plain step time, the
    per-op cost of the dispatch path (goal <= 1.10);
 2. a do-nothing TorchDispatchMode: the floor any interception pays, for comparison with 1;
+   ``replay_over_passthrough_us_per_op`` is what replay adds per op on top of that floor;
 3. budget = 50 % of the peak with the thread copy engine: measured replay step time vs the
    simulator's ``predicted_step_ms`` for the schedule (goal: within 25 %).
 Writes ``--out`` (default ``./hyperpar-bench/offload.json``) with machine, torch and command.
@@ -119,7 +120,9 @@ def measure(quick: bool, steps: int, batch: int | None = None, variant: str = "a
     plain = statistics.median(times["plain"])
     floor = statistics.median(times["passthrough"])
     ops = reports["replay_at_peak"][-1].op_count
+    added = (statistics.median(times["replay_at_peak"]) - floor) * 1e3 / max(ops, 1)
     out: dict[str, Any] = {"model": model_info, "activation_peak_bytes": peak, "steps": steps,
+                           "op_count": ops, "replay_over_passthrough_us_per_op": added,
                            "plain_step_ms": plain, "plain_step_ms_all": times["plain"],
                            "passthrough": {"step_ms": floor, "ratio_to_plain": floor / plain,
                                            "per_op_overhead_us": (floor - plain) * 1e3 / max(ops, 1)}}
@@ -202,6 +205,8 @@ def run(args: argparse.Namespace) -> int:
         slow = f"{r['predicted_slowdown']:7.3f}" if "predicted_slowdown" in r else f"{'-':>7s}"
         print(f"{name:16s} {r['step_ms']:9.2f} {r['ratio_to_plain']:8.3f} {r['per_op_overhead_us']:7.1f} "
               f"{pred} {err} {slow} {r['exposed_wait_ms']:8.2f} {r['bytes_d2h'] / MIB:8.2f}")
+    print(f"replay at peak adds {result['replay_over_passthrough_us_per_op']:.2f} us/op over the "
+          f"do-nothing dispatch mode ({result['op_count']} ops per step)")
     print("error: measured replay vs the simulator's predicted_step_ms; x pred: the predicted slowdown "
           "over the trace's compute time (compare with x plain)")
     args.out.parent.mkdir(parents=True, exist_ok=True)

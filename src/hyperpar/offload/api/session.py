@@ -40,6 +40,7 @@ from hyperpar.offload.capture import (
     ReplayProgram,
     WarmupExecutor,
     current_offload_mode,
+    hold_step_hooks,
     host_reads,
     size_bucket,
 )
@@ -127,6 +128,7 @@ class OffloadSession:
         self._t0 = 0.0
         self._budget_bytes = config.budget_bytes  # max_resident_fraction: resolved at the first trace
         self._said_below_floor = False
+        self._hooks_held = False
         self._bind_device(config.resolved_device())
 
     def _bind_device(self, device: torch.device) -> None:
@@ -204,6 +206,9 @@ class OffloadSession:
             device = self.config.resolved_device()  # bound at the first step, not when built
             if device != self.device:
                 self._bind_device(device)
+        if not self._hooks_held:  # torch wrappers, kept while this session lives
+            hold_step_hooks(self)
+            self._hooks_held = True
         m = self._manager
         m.clear()
         m.bytes_d2h = m.bytes_h2d = m.demand_faults = m.cap_hits = 0

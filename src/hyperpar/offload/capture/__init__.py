@@ -2,7 +2,7 @@
 
 from hyperpar.offload.capture import host_reads, native_callers
 from hyperpar.offload.capture.compiled import is_compiled, run_compiled
-from hyperpar.offload.capture.dispatch_mode import OffloadDispatchMode, current_offload_mode
+from hyperpar.offload.capture.dispatch_mode import OffloadDispatchMode, current_offload_mode, hold_step_hooks
 from hyperpar.offload.capture.errors import OffloadCompileError, OffloadDivergenceError
 from hyperpar.offload.capture.executor_base import ExecutorBase
 from hyperpar.offload.capture.host_reads import ActivationReadError
@@ -22,6 +22,7 @@ __all__ = [
     "ReplayProgram",
     "WarmupExecutor",
     "current_offload_mode",
+    "hold_step_hooks",
     "host_reads",
     "is_compiled",
     "native_callers",

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -62,9 +63,33 @@ _state = threading.local()  # .entering: this thread is pushing an offload mode
 _lock = threading.Lock()
 _steps = 0  # offload modes on any thread's stack now
 _prior_hook: Any = None
-# (start, stop) pairs run when the first step starts and the last one ends (compiled.py
-# registers its OptimizedModule wrapper here: capture must not import it from below).
+# (install, remove) pairs of what sessions wrap on torch (compiled.py: OptimizedModule.__call__,
+# native_callers.py, host_reads.py: Tensor methods). Installed at the first step of the first
+# session and removed when the last session that stepped is gone, not per step: patching a
+# torch class costs ~0.1 ms and invalidates attribute caches of every tensor type, which
+# made a small step's enter and exit ~1 ms. Every wrapper does nothing outside a step.
 STEP_HOOKS: list[tuple[Callable[[], None], Callable[[], None]]] = []
+_holders = 0  # live sessions that have installed the hooks
+
+
+def hold_step_hooks(owner: object) -> None:
+    """Install ``STEP_HOOKS`` (if no one has) for as long as ``owner`` lives."""
+    global _holders
+    with _lock:
+        if _holders == 0:
+            for install, _ in STEP_HOOKS:
+                install()
+        _holders += 1
+    weakref.finalize(owner, _release_step_hooks)
+
+
+def _release_step_hooks() -> None:
+    global _holders
+    with _lock:
+        _holders -= 1
+        if _holders == 0:
+            for _, remove in reversed(STEP_HOOKS):
+                remove()
 
 COMPILE_ERROR = (
     "torch.compile'd code started inside an OffloadSession step outside a compiled region. "
@@ -129,8 +154,6 @@ class OffloadDispatchMode(TorchDispatchMode):
         global _steps, _prior_hook
         with _lock:
             if _steps == 0:
-                for start, _ in STEP_HOOKS:
-                    start()
                 if set_guard_complete_hook is not None:
                     _prior_hook = set_guard_complete_hook(_cache_hit_check)
             _steps += 1
@@ -149,8 +172,6 @@ class OffloadDispatchMode(TorchDispatchMode):
                     if set_guard_complete_hook is not None:
                         set_guard_complete_hook(_prior_hook)
                         _prior_hook = None
-                    for _, stop in reversed(STEP_HOOKS):
-                        stop()
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:

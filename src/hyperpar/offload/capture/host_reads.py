@@ -17,8 +17,10 @@ tensor with ops. Pin it from the step's thread with ``OffloadSession.keep_on_dev
 share it. Ops called on it directly in another thread (``h.sum()``) are not seen: the
 dispatch mode is per thread. They are not supported and may crash.
 
-There is no torch hook for these reads, hence the wrapping; it is installed when the first
-step enters, removed when the last one exits, and costs about a microsecond per call.
+There is no torch hook for these reads, hence the wrapping; it is installed at the first
+step of a session and removed when no session that stepped is left (``dispatch_mode``'s
+step hooks), and costs about a microsecond per call; outside a step a wrapper only calls
+the original.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
+from hyperpar.offload.capture import dispatch_mode
 from hyperpar.offload.capture.executor_base import ExecutorBase
 
 _METHODS = ("tolist", "numpy", "__array__", "__dlpack__", "data_ptr", "item", "__reduce_ex__",
@@ -52,37 +55,44 @@ _originals: dict[str, Any] = {}
 _original_functions: dict[str, Any] = {}
 
 
+def _install() -> None:
+    for name in _METHODS:
+        _originals[name] = torch.Tensor.__dict__.get(name)
+        setattr(torch.Tensor, name, _guarded(getattr(torch.Tensor, name)))
+    for name in _OTHER_THREAD_METHODS:
+        _originals[name] = torch.Tensor.__dict__.get(name)
+        setattr(torch.Tensor, name, _guarded(getattr(torch.Tensor, name), other_threads_only=True))
+    for name in _FUNCTIONS:
+        original = getattr(torch, name, None)
+        if original is not None:
+            _original_functions[name] = original
+            setattr(torch, name, _guarded_function(original))
+
+
+def _remove() -> None:
+    for name, original in _originals.items():
+        if original is None:
+            delattr(torch.Tensor, name)
+        else:
+            setattr(torch.Tensor, name, original)
+    _originals.clear()
+    for name, original in _original_functions.items():
+        setattr(torch, name, original)
+    _original_functions.clear()
+
+
+dispatch_mode.STEP_HOOKS.append((_install, _remove))
+
+
 def step_started(ex: ExecutorBase) -> None:
+    """From now on reads of ``ex``'s activations are guarded (the wrappers are installed)."""
     with _lock:
-        if not _running:
-            for name in _METHODS:
-                original = torch.Tensor.__dict__.get(name)
-                _originals[name] = original
-                setattr(torch.Tensor, name, _guarded(getattr(torch.Tensor, name)))
-            for name in _OTHER_THREAD_METHODS:
-                _originals[name] = torch.Tensor.__dict__.get(name)
-                setattr(torch.Tensor, name, _guarded(getattr(torch.Tensor, name), other_threads_only=True))
-            for name in _FUNCTIONS:
-                original = getattr(torch, name, None)
-                if original is not None:
-                    _original_functions[name] = original
-                    setattr(torch, name, _guarded_function(original))
         _running[id(ex)] = (ex, threading.get_ident())
 
 
 def step_ended(ex: ExecutorBase) -> None:
     with _lock:
-        if _running.pop(id(ex), None) is None or _running:
-            return
-        for name, original in _originals.items():
-            if original is None:
-                delattr(torch.Tensor, name)
-            else:
-                setattr(torch.Tensor, name, original)
-        _originals.clear()
-        for name, original in _original_functions.items():
-            setattr(torch, name, original)
-        _original_functions.clear()
+        _running.pop(id(ex), None)
 
 
 def _guarded(method: Any, other_threads_only: bool = False) -> Any:

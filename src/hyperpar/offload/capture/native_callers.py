@@ -10,7 +10,8 @@ dispatches are neither tracked nor able to evict anything):
   accessor after the ops that allocate the next tensors; at a small budget warmup evicted
   it in between, and the ranks disagreed on the bucket sizes.
 
-Wrapped while steps run, like ``OptimizedModule.__call__`` (see ``compiled``).
+Wrapped while a session lives (``dispatch_mode.hold_step_hooks``), like
+``OptimizedModule.__call__`` (see ``compiled``); outside a step the wrapper only calls it.
 """
 
 from __future__ import annotations
