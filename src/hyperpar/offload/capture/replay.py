@@ -574,8 +574,7 @@ class ReplayExecutor(ExecutorBase):
         self.online = True
         self.recording = True
         self.index = i
-        t = p.trace
-        self.ops, self.guides, self.keys = list(t.ops[:i]), list(t.guides[:i]), list(p.keys[:i])
+        self.ops, self.guides, self.keys = p.packed.ops(i), p.packed.guides(i), list(p.keys[:i])
         self._first_online = i
         with internal(self):
             self.start_online()
@@ -626,7 +625,7 @@ class ReplayExecutor(ExecutorBase):
             self.start_online()
 
     def _note_growth(self) -> None:
-        planned = self.program.trace.storage_sizes.get(0, 0)
+        planned = self.program.packed.size_of(0)
         ratio = self.first_size / planned if self.first_size > 0 and planned else 0.0
         self._growth = ratio if ratio > 1.0 else 0.0
 
@@ -661,8 +660,8 @@ class ReplayExecutor(ExecutorBase):
             else:
                 logger.info("%s; the step is traced as it ran", msg)
             self.recording = True
-            t = self.program.trace
-            self.ops, self.guides = list(t.ops[:self.index]), list(t.guides[:self.index])
+            packed = self.program.packed
+            self.ops, self.guides = packed.ops(self.index), packed.guides(self.index)
             self.keys = list(self.program.keys[:self.index])
             self._first_online = self.index
         m = self.manager

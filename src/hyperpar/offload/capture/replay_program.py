@@ -21,6 +21,7 @@ import torch
 
 from hyperpar.offload.ir import AccessKind, ActivationTrace, ResidencyAction, ResidencySchedule
 from hyperpar.offload.ir import ResidencyActionType as A
+from hyperpar.offload.ir.packed import PackedTrace
 
 D2H, RELEASE, RELEASE_FINAL, H2D, RELEASE_HOST = range(5)
 
@@ -67,7 +68,7 @@ class ReplayProgram:
     made: tuple[int, ...]  # bytes of the new storages each op makes, at the planned sizes
     moved: frozenset[int]
     bucket: int  # size_bucket of the first activation's size this program was planned for
-    trace: ActivationTrace  # a diverged replay takes its ops before the divergence from here
+    packed: PackedTrace  # a diverged replay takes its ops before the divergence from here
 
     @property
     def num_ops(self) -> int:
@@ -80,8 +81,9 @@ class ReplayProgram:
     @classmethod
     def build(cls, trace: ActivationTrace, schedule: ResidencySchedule, keys: list[Any],
               planned_resident: list[int] | None = None,
-              structure: ReplayProgram | None = None) -> ReplayProgram:
-        """``structure``: a program of the same structure whose structure tuples to share."""
+              structure: ReplayProgram | None = None, packed: PackedTrace | None = None) -> ReplayProgram:
+        """``structure``: a program of the same structure whose structure tuples to share;
+        ``packed``: the trace packed (packed here when not given)."""
         n = trace.num_ops
         if schedule.num_ops != n or len(trace.guides) != n or len(keys) != n:
             raise ValueError(
@@ -121,7 +123,9 @@ class ReplayProgram:
             writes.append(w or None)
         if planned_resident is None:
             planned_resident = trace.resident_bytes_without_offload()
-        base = structure if structure is not None else _structure(trace, keys)
+        if packed is None:
+            packed = PackedTrace(trace)
+        base = structure if structure is not None else _structure(trace, keys, packed)
         return replace(
             base,
             pre=tuple(compile_actions(a, i, False) for i, a in enumerate(schedule.pre)),
@@ -132,11 +136,11 @@ class ReplayProgram:
             made=tuple(sum(trace.storage_sizes.get(sid, 0) for _, sid in b) if b else 0 for b in base.binds),
             moved=moved,
             bucket=size_bucket(trace.storage_sizes.get(0, 0)),
-            trace=trace,
+            packed=packed,
         )
 
 
-def _structure(trace: ActivationTrace, keys: list[Any]) -> ReplayProgram:
+def _structure(trace: ActivationTrace, keys: list[Any], packed: PackedTrace) -> ReplayProgram:
     in_sids, binds, regions, meta, prefix = [], [], [], [], []
     h = 0
     for op, guide, key in zip(trace.ops, trace.guides, keys, strict=True):
@@ -156,5 +160,5 @@ def _structure(trace: ActivationTrace, keys: list[Any]) -> ReplayProgram:
         binds=tuple(binds), region_accesses=tuple(regions), meta=tuple(meta), prefix=tuple(prefix),
         pinned=trace.pinned_sids, num_sids=max(trace.storage_sizes, default=-1) + 1,
         pre=(), post=(), in_moved=(), writes=(), planned_resident=(), made=(), moved=frozenset(), bucket=0,
-        trace=trace,
+        packed=packed,
     )
