@@ -397,21 +397,28 @@ class OffloadSession:
     def _plan(self, signature: int, trace: ActivationTrace, keys: list[object],
               structure: ReplayProgram | None) -> _Plan:
         from hyperpar.offload.planning import simulate  # planning sits beside capture
+        from hyperpar.offload.planning.arrays import arrays_given, packed_trace_arrays
+        from hyperpar.offload.planning.prediction import kept_simulation, simulations_kept
 
-        floor = budget_floor(trace)
-        below_floor = floor.floor_bytes > trace.memory_limit_bytes
-        if below_floor and not self._said_below_floor:  # said once per session, the planners stay quiet
-            logger.warning("%s", floor.below_floor_message(trace.memory_limit_bytes))
-            self._said_below_floor = True
-        with deficit_warnings_muted() if below_floor else contextlib.nullcontext():
-            schedule = self.config.resolved_planner().build(trace)
-        sim = simulate(trace, schedule)
+        packed = PackedTrace(trace, None if structure is None else structure.packed)
+        # The floor, the planner and the simulator share one set of arrays, made from the
+        # packed trace; the planner's own simulation of its schedule is reused.
+        with arrays_given(trace, packed_trace_arrays(trace, packed)), simulations_kept() as sims:
+            floor = budget_floor(trace)
+            below_floor = floor.floor_bytes > trace.memory_limit_bytes
+            if below_floor and not self._said_below_floor:  # said once per session, the planners stay quiet
+                logger.warning("%s", floor.below_floor_message(trace.memory_limit_bytes))
+                self._said_below_floor = True
+            with deficit_warnings_muted() if below_floor else contextlib.nullcontext():
+                schedule = self.config.resolved_planner().build(trace)
+            sim = kept_simulation(sims, schedule) or simulate(trace, schedule)
         predicted = schedule.notes.get("predicted_step_ms")
         if not isinstance(predicted, (int, float)) or isinstance(predicted, bool):
             predicted = sim.predicted_step_ms
-        packed = PackedTrace(trace, None if structure is None else structure.packed)
-        program = ReplayProgram.build(trace, schedule, keys, sim.resident_bytes, structure, packed)
-        return _Plan(signature, packed, PackedSchedule(schedule), program, float(predicted),
+        packed_schedule = PackedSchedule(schedule)
+        program = ReplayProgram.build(trace, schedule, keys, sim.resident_bytes, structure, packed,
+                                      packed_schedule)
+        return _Plan(signature, packed, packed_schedule, program, float(predicted),
                      sum(trace.storage_sizes.values()), floor)
 
     def _learn(self, signature: int) -> None:

@@ -18,11 +18,14 @@ from array import array
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 
+from hyperpar.offload.capture.prefix_hash import prefix_hashes
 from hyperpar.offload.ir import AccessKind, ActivationTrace, ResidencySchedule
 from hyperpar.offload.ir import ResidencyActionType as A
 from hyperpar.offload.ir.packed import PackedTrace
+from hyperpar.offload.ir.packed_schedule import KINDS, PackedSchedule
 
 D2H, RELEASE, RELEASE_FINAL, H2D, RELEASE_HOST = range(5)
 READ, WRITE = AccessKind.READ, AccessKind.WRITE
@@ -114,9 +117,10 @@ class ReplayProgram:
     @classmethod
     def build(cls, trace: ActivationTrace, schedule: ResidencySchedule, keys: list[Any],
               planned_resident: list[int] | None = None,
-              structure: ReplayProgram | None = None, packed: PackedTrace | None = None) -> ReplayProgram:
+              structure: ReplayProgram | None = None, packed: PackedTrace | None = None,
+              packed_schedule: PackedSchedule | None = None) -> ReplayProgram:
         """``structure``: a program of the same structure whose structure columns to share;
-        ``packed``: the trace packed (packed here when not given)."""
+        ``packed``, ``packed_schedule``: the trace and schedule packed (packed here when not given)."""
         n = trace.num_ops
         if schedule.num_ops != n or len(trace.guides) != n or len(keys) != n:
             raise ValueError(
@@ -125,98 +129,110 @@ class ReplayProgram:
             )
         if packed is None:
             packed = PackedTrace(trace)
+        if packed_schedule is None:
+            packed_schedule = PackedSchedule(schedule)
+        base = structure if structure is not None else _structure(trace, keys, packed)
         st = packed.structure
         moved = schedule.moved_sids() - trace.pinned_sids
-        last_access: dict[int, int] = {}
-        acc_start, acc_sid, acc_write = st.access_start, st.access_sid, st.access_write
-        for i in range(n):
-            for k in range(acc_start[i], acc_start[i + 1]):
-                last_access[acc_sid[k]] = i
-        retained = trace.retained_sids
-        flags = bytearray(n)
-        act_start, act_code, act_sid = array("i", [0]), bytearray(), array("q")
-        copy_d2h, copy_h2d, release_host = A.COPY_D2H, A.COPY_H2D, A.RELEASE_HOST
-        for i, (pre, post) in enumerate(zip(schedule.pre, schedule.post, strict=True)):
-            for acts, is_post, bit in ((pre, False, HAS_PRE), (post, True, HAS_POST)):
-                for a in acts:
-                    sid = a.storage_id
-                    if sid not in moved:
-                        continue
-                    kind = a.kind
-                    if kind is copy_d2h:
-                        code = D2H
-                    elif kind is copy_h2d:
-                        code = H2D
-                    elif kind is release_host:
-                        code = RELEASE_HOST
-                    else:
-                        last = last_access.get(sid, -1)
-                        final = sid not in retained and (i >= last if is_post else i > last)
-                        code = RELEASE_FINAL if final else RELEASE
-                    act_code.append(code)
-                    act_sid.append(sid)
-                if len(act_sid) != act_start[-1]:
-                    flags[i] |= bit
-                act_start.append(len(act_sid))
-        moved_start, moved_sid = array("i", [0]), array("q")
-        write_start, write_sid = array("i", [0]), array("q")
-        if moved:
-            for i in range(n):
-                for k in range(acc_start[i], acc_start[i + 1]):
-                    sid = acc_sid[k]
-                    if sid in moved:
-                        moved_sid.append(sid)
-                        if acc_write[k]:
-                            write_sid.append(sid)
-                if len(moved_sid) != moved_start[-1]:
-                    flags[i] |= HAS_MOVED
-                if len(write_sid) != write_start[-1]:
-                    flags[i] |= HAS_WRITES
-                moved_start.append(len(moved_sid))
-                write_start.append(len(write_sid))
-        else:
-            moved_start = write_start = array("i", bytes(4 * (n + 1)))
+        moved_ids = np.fromiter(moved, dtype=np.int64, count=len(moved))
+        ops = np.arange(n, dtype=np.int64)
+        acc_sid = _np(st.access_sid)
+        acc_op = np.repeat(ops, np.diff(_np(st.access_start)))
+        acc_write = np.frombuffer(st.access_write, dtype=np.uint8).astype(bool)
+        # the actions on moved storages, compiled (a release after the last access is final)
+        lists = np.repeat(np.arange(2 * n, dtype=np.int64), np.diff(_np(packed_schedule.start)))
+        act_sid = _np(packed_schedule.sid)
+        kind = np.frombuffer(packed_schedule.kind, dtype=np.uint8)
+        keep = np.isin(act_sid, moved_ids)
+        lists, act_sid, kind = lists[keep], act_sid[keep], kind[keep]
+        last = np.full(len(act_sid), -1, dtype=np.int64)
+        if len(acc_sid) and len(act_sid):
+            sids = np.unique(acc_sid)
+            last_of = np.full(len(sids), -1, dtype=np.int64)
+            np.maximum.at(last_of, np.searchsorted(sids, acc_sid), acc_op)
+            where = np.minimum(np.searchsorted(sids, act_sid), len(sids) - 1)
+            last = np.where(sids[where] == act_sid, last_of[where], -1)
+        op, is_post = lists // 2, (lists % 2).astype(bool)
+        final = ~np.isin(act_sid, np.fromiter(trace.retained_sids, dtype=np.int64)) & np.where(
+            is_post, op >= last, op > last)
+        code = _CODES[kind]
+        code[(kind == _RELEASE_DEVICE) & final] = RELEASE_FINAL
+        per_list = np.bincount(lists, minlength=2 * n)
+        # the moved storages each op touches, and those it writes
+        touched = np.isin(acc_sid, moved_ids)
+        written = touched & acc_write
+        per_op_moved = np.bincount(acc_op[touched], minlength=n)
+        per_op_written = np.bincount(acc_op[written], minlength=n)
+        flags = ((per_list[0::2] > 0) * HAS_PRE | (per_list[1::2] > 0) * HAS_POST
+                 | (per_op_moved > 0) * HAS_MOVED | (per_op_written > 0) * HAS_WRITES)
+        # bytes of the new storages each op makes, at these sizes
+        bind_sid = _np(base.bind_sid)
+        bind_op = np.repeat(ops, np.diff(_np(base.bind_start)))
+        made = np.zeros(n, dtype=np.int64)
+        np.add.at(made, bind_op, _sizes_of(packed, bind_sid))
         if planned_resident is None:
             planned_resident = trace.resident_bytes_without_offload()
-        base = structure if structure is not None else _structure(trace, keys, packed)
-        sizes = trace.storage_sizes
-        made = array("q", bytes(8 * n))
-        bind_start, bind_sid = base.bind_start, base.bind_sid
-        for i in range(n):
-            lo, hi = bind_start[i], bind_start[i + 1]
-            if lo != hi:
-                made[i] = sum(sizes.get(sid, 0) for sid in bind_sid[lo:hi])
         return replace(
             base,
-            flags=bytes(flags), act_start=act_start, act_code=bytes(act_code), act_sid=act_sid,
-            moved_start=moved_start, moved_sid=moved_sid, write_start=write_start, write_sid=write_sid,
+            flags=np.asarray(flags, dtype=np.uint8).tobytes(), act_start=_offsets(per_list),
+            act_code=code.astype(np.uint8).tobytes(), act_sid=_q(act_sid),
+            moved_start=_offsets(per_op_moved), moved_sid=_q(acc_sid[touched]),
+            write_start=_offsets(per_op_written), write_sid=_q(acc_sid[written]),
             planned_resident=array("q", planned_resident),
-            made=made,
+            made=_q(made),
             moved=moved,
-            bucket=size_bucket(sizes.get(0, 0)),
+            bucket=size_bucket(packed.size_of(0)),
             packed=packed,
         )
+
+
+# PackedSchedule kind (ResidencyActionType order) -> replay code; releases are told apart later
+_CODES = np.array([{A.COPY_D2H: D2H, A.COPY_H2D: H2D, A.RELEASE_DEVICE: RELEASE,
+                    A.RELEASE_HOST: RELEASE_HOST}[k] for k in KINDS], dtype=np.uint8)
+_RELEASE_DEVICE = KINDS.index(A.RELEASE_DEVICE)
+
+
+def _np(a: array) -> np.ndarray:
+    return np.array(a, dtype=np.int64)
+
+
+def _q(a: np.ndarray) -> array:
+    out = array("q")
+    out.frombytes(np.ascontiguousarray(a, dtype=np.int64).tobytes())
+    return out
+
+
+def _offsets(counts: np.ndarray) -> array:
+    out = array("i", [0])
+    out.frombytes(np.cumsum(counts, dtype=np.int32).tobytes())
+    return out
+
+
+def _sizes_of(packed: PackedTrace, sids: np.ndarray) -> np.ndarray:
+    known = _np(packed.size_sid)
+    if not len(known) or not len(sids):
+        return np.zeros(len(sids), dtype=np.int64)
+    order = np.argsort(known, kind="stable")
+    known, nbytes = known[order], _np(packed.size_bytes)[order]
+    where = np.minimum(np.searchsorted(known, sids), len(known) - 1)
+    return np.where(known[where] == sids, nbytes[where], 0)
 
 
 def _structure(trace: ActivationTrace, keys: list[Any], packed: PackedTrace) -> ReplayProgram:
     st = packed.structure  # build() checked there is a guide per op
     metas = tuple(tuple(None if lm is None else (len(lm[0]), _dtype(lm[1])) for lm in m) for m in st.metas)
     meta = tuple(metas[j] for j in st.meta_index)
+    metas_hash = [hash(m) for m in metas]
     regions: dict[int, dict[int, AccessKind]] = {}
-    prefix = array("q", bytes(8 * len(keys)))
-    h = 0
+    region_hash: dict[int, int] = {}
+    for i, key in enumerate(keys):
+        if isinstance(key, str):  # an opaque region: checked on every storage it touches
+            region = regions[i] = {s: WRITE if w else READ for s, w in st.accesses(i)}
+            region_hash[i] = hash(tuple(sorted(region.items())))
     in_start, in_sid, bind_start = st.input_start, st.input_sid, st.bind_start
     bind_leaf, bind_sid = st.bind_leaf, st.bind_sid
-    for i, key in enumerate(keys):
-        opaque = isinstance(key, str)
-        ins = None if opaque else tuple(in_sid[in_start[i]:in_start[i + 1]])
-        lo, hi = bind_start[i], bind_start[i + 1]
-        b = tuple(zip(bind_leaf[lo:hi], bind_sid[lo:hi], strict=True)) or None
-        region = None
-        if opaque:
-            region = regions[i] = {s: WRITE if w else READ for s, w in st.accesses(i)}
-        h = hash((h, key, ins, b, meta[i], None if region is None else tuple(sorted(region.items()))))
-        prefix[i] = h
+    prefix = prefix_hashes(keys, in_start, in_sid, bind_start, bind_leaf, bind_sid,
+                           [metas_hash[j] for j in st.meta_index], region_hash)
     return ReplayProgram(
         keys=tuple(keys), names=st.names, in_start=in_start, in_sid=in_sid,
         bind_start=bind_start, bind_leaf=bind_leaf, bind_sid=bind_sid, region_accesses=regions,
