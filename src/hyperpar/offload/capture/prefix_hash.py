@@ -51,10 +51,10 @@ def prefix_hashes(keys: Sequence[Any], in_start: array, in_sid: array, bind_star
     n = len(keys)
     if n == 0:
         return array("q")
-    key_hash: dict[int, int] = {}
-    for key in {id(k): k for k in keys}.values():  # hash() of an OpOverload is Python code: once each
-        key_hash[id(key)] = hash(key)
-    op = _u64([key_hash[id(k)] for k in keys])
+    ids = list(map(id, keys))
+    # hash() of an OpOverload is Python code: once per distinct key
+    key_hash = {i: hash(k) for i, k in dict(zip(ids, keys, strict=True)).items()}
+    op = _u64(list(map(key_hash.__getitem__, ids)))
     for part in (_segments(in_start, in_sid), _segments(bind_start, bind_leaf, bind_sid), _u64(meta_hash)):
         op = _mix(op ^ part) + np.uint64(1)
     if region_hash:

@@ -133,21 +133,24 @@ class ReplayProgram:
             packed_schedule = PackedSchedule(schedule)
         base = structure if structure is not None else _structure(trace, keys, packed)
         st = packed.structure
-        moved = schedule.moved_sids() - trace.pinned_sids
-        moved_ids = np.fromiter(moved, dtype=np.int64, count=len(moved))
+        all_sids, kinds = _np(packed_schedule.sid), np.frombuffer(packed_schedule.kind, dtype=np.uint8)
+        copied = _distinct(all_sids[kinds == _COPY_D2H])  # schedule.moved_sids(), from the arrays
+        if trace.pinned_sids:
+            copied = copied[~np.isin(copied, np.fromiter(trace.pinned_sids, dtype=np.int64))]
+        moved = frozenset(copied.tolist())
+        moved_ids = copied
         ops = np.arange(n, dtype=np.int64)
         acc_sid = _np(st.access_sid)
         acc_op = np.repeat(ops, np.diff(_np(st.access_start)))
         acc_write = np.frombuffer(st.access_write, dtype=np.uint8).astype(bool)
         # the actions on moved storages, compiled (a release after the last access is final)
         lists = np.repeat(np.arange(2 * n, dtype=np.int64), np.diff(_np(packed_schedule.start)))
-        act_sid = _np(packed_schedule.sid)
-        kind = np.frombuffer(packed_schedule.kind, dtype=np.uint8)
+        act_sid, kind = all_sids, kinds
         keep = np.isin(act_sid, moved_ids)
         lists, act_sid, kind = lists[keep], act_sid[keep], kind[keep]
         last = np.full(len(act_sid), -1, dtype=np.int64)
         if len(acc_sid) and len(act_sid):
-            sids = np.unique(acc_sid)
+            sids = _distinct(acc_sid)
             last_of = np.full(len(sids), -1, dtype=np.int64)
             np.maximum.at(last_of, np.searchsorted(sids, acc_sid), acc_op)
             where = np.minimum(np.searchsorted(sids, act_sid), len(sids) - 1)
@@ -189,7 +192,13 @@ class ReplayProgram:
 # PackedSchedule kind (ResidencyActionType order) -> replay code; releases are told apart later
 _CODES = np.array([{A.COPY_D2H: D2H, A.COPY_H2D: H2D, A.RELEASE_DEVICE: RELEASE,
                     A.RELEASE_HOST: RELEASE_HOST}[k] for k in KINDS], dtype=np.uint8)
-_RELEASE_DEVICE = KINDS.index(A.RELEASE_DEVICE)
+_RELEASE_DEVICE, _COPY_D2H = KINDS.index(A.RELEASE_DEVICE), KINDS.index(A.COPY_D2H)
+
+
+def _distinct(values: np.ndarray) -> np.ndarray:
+    """Sorted distinct values (numpy's hash-based ``unique`` is several times slower here)."""
+    s = np.sort(values)
+    return s[np.concatenate(([True], s[1:] != s[:-1]))] if len(s) else s
 
 
 def _np(a: array) -> np.ndarray:
@@ -221,14 +230,15 @@ def _sizes_of(packed: PackedTrace, sids: np.ndarray) -> np.ndarray:
 def _structure(trace: ActivationTrace, keys: list[Any], packed: PackedTrace) -> ReplayProgram:
     st = packed.structure  # build() checked there is a guide per op
     metas = tuple(tuple(None if lm is None else (len(lm[0]), _dtype(lm[1])) for lm in m) for m in st.metas)
-    meta = tuple(metas[j] for j in st.meta_index)
+    meta = tuple(map(metas.__getitem__, st.meta_index))
     metas_hash = [hash(m) for m in metas]
     regions: dict[int, dict[int, AccessKind]] = {}
     region_hash: dict[int, int] = {}
-    for i, key in enumerate(keys):
-        if isinstance(key, str):  # an opaque region: checked on every storage it touches
-            region = regions[i] = {s: WRITE if w else READ for s, w in st.accesses(i)}
-            region_hash[i] = hash(tuple(sorted(region.items())))
+    opaque = [i for i, key in enumerate(keys) if isinstance(key, str)] if any(
+        issubclass(t, str) for t in set(map(type, keys))) else []
+    for i in opaque:  # a region is checked on every storage it touches
+        region = regions[i] = {s: WRITE if w else READ for s, w in st.accesses(i)}
+        region_hash[i] = hash(tuple(sorted(region.items())))
     in_start, in_sid, bind_start = st.input_start, st.input_sid, st.bind_start
     bind_leaf, bind_sid = st.bind_leaf, st.bind_sid
     prefix = prefix_hashes(keys, in_start, in_sid, bind_start, bind_leaf, bind_sid,
