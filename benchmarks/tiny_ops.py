@@ -1,11 +1,12 @@
 """A step made of many tiny ops: what warmup, planning, replay and a kept plan cost.
 
-Each layer is ``x = relu(x * w + b)`` on a 64x16 tensor with 16-element weights, so an op
-does almost no work and the per-op overhead of the session is all there is to see. Reports
-CPU seconds (process time, one torch thread) of a plain step, the warmup step, planning (the
-session's own ``_plan``: planner, simulation, replay program), and a replay step; and the
-bytes the kept plan holds (trace + schedule + replay program, by ``tracemalloc`` in a
-separate session so tracing does not slow the timed one) per storage access of the trace.
+Each layer is ``x = relu(x * w + b)`` on a 64x16 tensor with 16-element weights (about 14
+ops a layer, forward and backward), so an op does almost no work and the per-op overhead
+of the session is all there is to see. Reports CPU seconds (process time, one torch thread)
+of a plain step, the warmup step, planning (the session's own
+``_plan``: planner, simulation, replay program), and a replay step; and the bytes the kept
+plan holds (trace + schedule + replay program, by ``tracemalloc`` in a separate session so
+tracing does not slow the timed one) per storage access of the trace.
 
     .venv/bin/python benchmarks/tiny_ops.py --layers 30000 --out hyperpar-bench/tiny_ops.json
 """
@@ -67,8 +68,8 @@ def measure(layers: int, budget_fraction: float, replays: int) -> dict[str, Any]
 
     session._plan = timed_plan  # type: ignore[method-assign]
 
-    def in_session(session: OffloadSession = session) -> None:
-        with session:
+    def in_session(s: OffloadSession = session) -> None:
+        with s:
             _step(x, ws, bs)
 
     warmup_and_plan = _cpu(in_session)
@@ -80,7 +81,7 @@ def measure(layers: int, budget_fraction: float, replays: int) -> dict[str, Any]
     assert session.last_report is not None and session.last_report.diverged_at is None
 
     # The kept plan's bytes, in a session of its own (tracemalloc slows everything it sees).
-    del session, trace, in_session
+    del session, trace
     gc.collect()
     kept_session = OffloadSession(OffloadConfig(max_resident_fraction=budget_fraction))
     tracemalloc.start()
@@ -103,7 +104,7 @@ def measure(layers: int, budget_fraction: float, replays: int) -> dict[str, Any]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=30_000,
-                        help="layers (about 14 ops each, forward and backward)")
+                        help="layers of about 14 tiny ops each (default 30000)")
     parser.add_argument("--budget-fraction", type=float, default=0.5)
     parser.add_argument("--replays", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("hyperpar-bench/tiny_ops.json"))

@@ -45,6 +45,8 @@ from hyperpar.offload.capture import (
     size_bucket,
 )
 from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
+from hyperpar.offload.ir.packed import PackedTrace
+from hyperpar.offload.ir.packed_schedule import PackedSchedule
 from hyperpar.offload.ir.report import StepReport
 from hyperpar.offload.planning import gc_pause
 from hyperpar.offload.planning.floor import BudgetFloor, budget_floor
@@ -76,12 +78,20 @@ _UNKNOWN = object()  # no step has followed this structure yet
 @dataclass(eq=False)
 class _Plan:
     signature: int  # the structure's
-    trace: ActivationTrace
-    schedule: ResidencySchedule
+    packed: PackedTrace  # the trace and schedule, packed (objects cost several times more)
+    packed_schedule: PackedSchedule
     program: ReplayProgram
     predicted_ms: float
     total_bytes: int  # of every activation, at the sizes it was planned for
     floor: BudgetFloor
+
+    @property
+    def trace(self) -> ActivationTrace:
+        return self.packed.unpack()
+
+    @property
+    def schedule(self) -> ResidencySchedule:
+        return self.packed_schedule.unpack()
 
 
 @dataclass(eq=False)
@@ -112,8 +122,7 @@ class OffloadSession:
             raise TypeError(f"OffloadSession(config=...) needs an OffloadConfig, got {config!r}")
         self.config = config
         self.phase = "warmup"
-        self.trace: ActivationTrace | None = None
-        self.schedule: ResidencySchedule | None = None
+        self._current: _Plan | None = None  # the plan of the last clean step
         self.last_report: StepReport | None = None
         self._structures: OrderedDict[int, _Structure] = OrderedDict()  # signature -> it, oldest first
         self._next: dict[int, int | None] = {}  # structure -> the one that followed it (None: trace)
@@ -145,6 +154,16 @@ class OffloadSession:
                               if isinstance(config.copy_engine, str) else config.copy_engine)
         self._manager = ResidencyManager(device, self._pool, engine, verify=config.verify)
         self._timer = OpTimer(device)
+
+    @property
+    def trace(self) -> ActivationTrace | None:
+        """The trace of the last clean step's plan (rebuilt from its packed form when asked)."""
+        return None if self._current is None else self._current.trace
+
+    @property
+    def schedule(self) -> ResidencySchedule | None:
+        """The schedule of the last clean step's plan."""
+        return None if self._current is None else self._current.schedule
 
     @classmethod
     def get_active(cls) -> OffloadSession | None:
@@ -270,6 +289,8 @@ class OffloadSession:
                 if isinstance(executor, WarmupExecutor):
                     gc_pause.release()
             self._manager.describe_op = _outside_an_op  # no reference to the finished executor
+            if executor.timer is not None:
+                executor.timer.end_step()
             if not clean or pending is not None:
                 self._pool.trim()
             self._executor = None
@@ -327,7 +348,7 @@ class OffloadSession:
         self._structures.move_to_end(plan.signature)
         self._structures[plan.signature].last = plan
         self._learn(plan.signature)
-        self.trace, self.schedule = plan.trace, plan.schedule
+        self._current = plan
         plan.floor.annotate(report)
         self.phase = "warmup" if self._choose() is None else "replay"
         self.last_report = report
@@ -340,12 +361,13 @@ class OffloadSession:
                          if any(p.program is program for p in st.sizes.values()))
         plan = next(p for p in structure.sizes.values() if p.program is program)
         nbytes = executor.table.nbytes
-        sizes = {sid: nbytes[sid] for sid in plan.trace.storage_sizes}
+        sizes = {sid: nbytes[sid] for sid in plan.packed.size_sid}
         bucket = size_bucket(sizes.get(0, 0))
         own = structure.sizes.get(bucket)
         if own is None or sum(sizes.values()) > own.total_bytes * REPLAN_GROWTH:
             if own is not None:  # plan for the larger of the two at each storage
-                sizes = {sid: max(n, own.trace.storage_sizes.get(sid, 0)) for sid, n in sizes.items()}
+                planned = own.packed.storage_sizes()
+                sizes = {sid: max(n, planned.get(sid, 0)) for sid, n in sizes.items()}
             plan = self._size_plan(structure, plan.signature, self._resized(plan.trace, sizes))
         return plan
 
@@ -380,20 +402,28 @@ class OffloadSession:
     def _plan(self, signature: int, trace: ActivationTrace, keys: list[object],
               structure: ReplayProgram | None) -> _Plan:
         from hyperpar.offload.planning import simulate  # planning sits beside capture
+        from hyperpar.offload.planning.arrays import arrays_given, packed_trace_arrays
+        from hyperpar.offload.planning.prediction import kept_simulation, simulations_kept
 
-        floor = budget_floor(trace)
-        below_floor = floor.floor_bytes > trace.memory_limit_bytes
-        if below_floor and not self._said_below_floor:  # said once per session, the planners stay quiet
-            logger.warning("%s", floor.below_floor_message(trace.memory_limit_bytes))
-            self._said_below_floor = True
-        with deficit_warnings_muted() if below_floor else contextlib.nullcontext():
-            schedule = self.config.resolved_planner().build(trace)
-        sim = simulate(trace, schedule)
+        packed = PackedTrace(trace, None if structure is None else structure.packed)
+        # The floor, the planner and the simulator share one set of arrays, made from the
+        # packed trace; the planner's own simulation of its schedule is reused.
+        with arrays_given(trace, packed_trace_arrays(trace, packed)), simulations_kept() as sims:
+            floor = budget_floor(trace)
+            below_floor = floor.floor_bytes > trace.memory_limit_bytes
+            if below_floor and not self._said_below_floor:  # said once per session, the planners stay quiet
+                logger.warning("%s", floor.below_floor_message(trace.memory_limit_bytes))
+                self._said_below_floor = True
+            with deficit_warnings_muted() if below_floor else contextlib.nullcontext():
+                schedule = self.config.resolved_planner().build(trace)
+            sim = kept_simulation(sims, schedule) or simulate(trace, schedule)
         predicted = schedule.notes.get("predicted_step_ms")
         if not isinstance(predicted, (int, float)) or isinstance(predicted, bool):
             predicted = sim.predicted_step_ms
-        program = ReplayProgram.build(trace, schedule, keys, sim.resident_bytes, structure)
-        return _Plan(signature, trace, schedule, program, float(predicted),
+        packed_schedule = PackedSchedule(schedule)
+        program = ReplayProgram.build(trace, schedule, keys, sim.resident_bytes, structure, packed,
+                                      packed_schedule)
+        return _Plan(signature, packed, packed_schedule, program, float(predicted),
                      sum(trace.storage_sizes.values()), floor)
 
     def _learn(self, signature: int) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import heapq
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -36,9 +37,12 @@ from hyperpar.offload.capture.op_args import output_leaves, tensor_inputs, writt
 from hyperpar.offload.capture.replay_program import (
     D2H,
     H2D,
+    HAS_MOVED,
+    HAS_POST,
+    HAS_PRE,
+    HAS_WRITES,
     RELEASE,
     RELEASE_FINAL,
-    Actions,
     ReplayProgram,
     size_bucket,
 )
@@ -127,7 +131,7 @@ class ReplayExecutor(ExecutorBase):
             return self.online_op(func, args, kwargs)
         # Each tensor input must be the very storage the plan expects (a list in the args or
         # a tensor keyword argument takes the general path).
-        expected = p.in_sids[i]
+        expected = p.in_sid[p.in_start[i]:p.in_start[i + 1]]
         table = self.table
         ids, sid_of = table.ids, table.sid_of
         k, n_expected, ok = 0, len(expected), True  # type: ignore[arg-type]
@@ -171,15 +175,14 @@ class ReplayExecutor(ExecutorBase):
             self._diverge(i, op_name(func), "its inputs are other storages than the plan's")
             return self.online_op(func, args, kwargs)
         self.index = i + 1
-        pre = p.pre[i]
-        if pre is not None:
-            self._act(pre)
+        flags = p.flags[i]
+        if flags & HAS_PRE:
+            self._act(p, 2 * i)
         m = self.manager
         if m.pending_free:
             m.reap()
-        moved = p.in_moved[i]
-        if moved is not None:
-            self._bring_moved(moved, p.writes[i])
+        if flags & HAS_MOVED:
+            self._bring_moved(p.in_moved(i), p.writes(i) if flags & HAS_WRITES else None)
         if self._growth and p.made[i]:
             made = int(p.made[i] * self._growth)
             if table.live_bytes - m.away_bytes + made > self._limit:
@@ -208,11 +211,13 @@ class ReplayExecutor(ExecutorBase):
                 self._diverge_after(i, func, args, kwargs, leaves, "other output dtypes or ranks")
                 return out
             p = self.program
-        binds = p.binds[i]
-        if binds is not None:
-            if len(binds) == 1 and leaves is None and not self.relieved and self.first_size >= 0:
+            flags = p.flags[i]
+        lo = p.bind_start[i]
+        new = p.bind_start[i + 1] - lo
+        if new:
+            if new == 1 and leaves is None and not self.relieved and self.first_size >= 0:
                 # the common case: one new storage, nothing else to do for it
-                sid = binds[0][1]
+                sid = p.bind_sid[lo]
                 try:
                     st = out.untyped_storage()
                     key = id(st)
@@ -226,27 +231,25 @@ class ReplayExecutor(ExecutorBase):
                 table.bind(sid, st, i)
                 if sid in p.moved:
                     m.bind(sid, st, i)
-            elif not self._bind(i, binds, out, leaves):
+            elif not self._bind(i, p.binds(i), out, leaves):  # type: ignore[arg-type]
                 self._diverge_after(i, func, args, kwargs, leaves or [out], "an output is not a new storage")
                 return out
-        writes = p.writes[i]
-        if writes is not None:
+        if flags & HAS_WRITES:
             entries = m.entries
-            for sid in writes:
+            for sid in p.writes(i):
                 entry = entries.get(sid)
                 if entry is not None:
                     m.mark_written(entry)
         resident = table.live_bytes - m.away_bytes
         if resident > self.peak_bytes:
             self.peak_bytes, self.peak_op = resident, i
-        post = p.post[i]
-        if post is not None:
-            self._act(post)
+        if flags & HAS_POST:
+            self._act(p, 2 * i + 1)
         if resident > self._limit:
             self._relieve(i)
         return out
 
-    def _inputs_match(self, ins: list[Tensor], expected: tuple[int, ...]) -> bool:
+    def _inputs_match(self, ins: list[Tensor], expected: Sequence[int]) -> bool:
         if len(ins) != len(expected):
             return False
         ids, sid_of = self.table.ids, self.table.sid_of
@@ -268,7 +271,7 @@ class ReplayExecutor(ExecutorBase):
                 return False
         return True
 
-    def _bring_moved(self, moved: tuple[int, ...], writes: tuple[int, ...] | None) -> None:
+    def _bring_moved(self, moved: Sequence[int], writes: Sequence[int] | None) -> None:
         m = self.manager
         entries, inflight = m.entries, m.inflight
         for sid in moved:
@@ -350,19 +353,18 @@ class ReplayExecutor(ExecutorBase):
 
     def _after(self, i: int) -> None:
         p, m = self.program, self.manager
-        writes = p.writes[i]
-        if writes is not None:
+        flags = p.flags[i]
+        if flags & HAS_WRITES:
             entries = m.entries
-            for sid in writes:
+            for sid in p.writes(i):
                 entry = entries.get(sid)
                 if entry is not None:
                     m.mark_written(entry)
         resident = self.table.live_bytes - m.away_bytes
         if resident > self.peak_bytes:
             self.peak_bytes, self.peak_op = resident, i
-        post = p.post[i]
-        if post is not None:
-            self._act(post)
+        if flags & HAS_POST:
+            self._act(p, 2 * i + 1)
         if resident > self._limit:
             self._relieve(i)
 
@@ -402,11 +404,14 @@ class ReplayExecutor(ExecutorBase):
                 return False
         return True
 
-    def _act(self, actions: Actions) -> None:
+    def _act(self, p: ReplayProgram, j: int) -> None:
+        """Run the program's action list ``j`` (op i's pre list is 2i, its post list 2i+1)."""
         m = self.manager
         entries = m.entries
-        for code, sid in actions:  # type: ignore[union-attr]
-            entry = entries.get(sid)
+        codes, sids = p.act_code, p.act_sid
+        for k in range(p.act_start[j], p.act_start[j + 1]):
+            code = codes[k]
+            entry = entries.get(sids[k])
             if entry is None:
                 continue
             if code == D2H:
@@ -431,9 +436,9 @@ class ReplayExecutor(ExecutorBase):
             return self.online_begin_opaque(name, reads)
         p = self.program
         self.index = i + 1
-        pre = p.pre[i]
-        if pre is not None:
-            self._act(pre)
+        flags = p.flags[i]
+        if flags & HAS_PRE:
+            self._act(p, 2 * i)
         kinds: dict[int, AccessKind] = {}
         table = self.table
         in_ids = set()
@@ -442,9 +447,8 @@ class ReplayExecutor(ExecutorBase):
             sid = table.lookup(st)
             if sid is not None:
                 kinds.setdefault(sid, READ)
-        moved = p.in_moved[i]
-        if moved is not None:
-            self._bring_moved(moved, p.writes[i])
+        if flags & HAS_MOVED:
+            self._bring_moved(p.in_moved(i), p.writes(i) if flags & HAS_WRITES else None)
         self._bring_in(kinds)  # a read the plan did not expect (checked at the end)
         if self.timer is not None:
             self._opaque_marks.append(self.timer.mark())
@@ -475,8 +479,8 @@ class ReplayExecutor(ExecutorBase):
         if self.online:  # diverged inside the region: record it as it ran
             self._record_region(region, leaves)
             return
-        expected = p.region_accesses[i] or {}
-        binds = p.binds[i]
+        expected = p.region_accesses.get(i) or {}
+        binds = p.binds(i)
         if not self._meta_matches(p.meta[i], leaves):
             why = "other output dtypes or ranks"
         elif binds is not None and not self._bind(i, binds, None, leaves):
@@ -497,14 +501,14 @@ class ReplayExecutor(ExecutorBase):
         what a region touches): carry on with that plan. Its outputs were bound as this plan
         binds them; the other plan must bind them the same way."""
         i, p = region.index, self.program
-        binds = p.binds[i]
+        binds = p.binds(i)
         if not self._meta_matches(p.meta[i], leaves):
             return False
         actual = self._region_accesses(region, leaves, binds)
         for alt in self.alternatives:
-            if (alt is not p and alt.num_ops > i and alt.keys[i] == p.keys[i] and alt.binds[i] == binds
+            if (alt is not p and alt.num_ops > i and alt.keys[i] == p.keys[i] and alt.binds(i) == binds
                     and (i == 0 or alt.prefix[i - 1] == p.prefix[i - 1])
-                    and (alt.region_accesses[i] or {}) == actual):
+                    and (alt.region_accesses.get(i) or {}) == actual):
                 self._adopt(alt)
                 return True
         return False
@@ -574,8 +578,7 @@ class ReplayExecutor(ExecutorBase):
         self.online = True
         self.recording = True
         self.index = i
-        t = p.trace
-        self.ops, self.guides, self.keys = list(t.ops[:i]), list(t.guides[:i]), list(p.keys[:i])
+        self.ops, self.guides, self.keys = p.packed.ops(i), p.packed.guides(i), list(p.keys[:i])
         self._first_online = i
         with internal(self):
             self.start_online()
@@ -593,7 +596,8 @@ class ReplayExecutor(ExecutorBase):
                 continue
             if i > 0 and (i > p.num_ops or alt.prefix[i - 1] != p.prefix[i - 1]):
                 continue
-            if ins is not None and alt.in_sids[i] is not None and not self._inputs_match(ins, alt.in_sids[i]):
+            alt_ins = alt.inputs(i)
+            if ins is not None and alt_ins is not None and not self._inputs_match(ins, alt_ins):
                 continue
             if leaves is not None and not self._meta_matches(alt.meta[i], leaves):
                 continue
@@ -626,7 +630,7 @@ class ReplayExecutor(ExecutorBase):
             self.start_online()
 
     def _note_growth(self) -> None:
-        planned = self.program.trace.storage_sizes.get(0, 0)
+        planned = self.program.packed.size_of(0)
         ratio = self.first_size / planned if self.first_size > 0 and planned else 0.0
         self._growth = ratio if ratio > 1.0 else 0.0
 
@@ -661,8 +665,8 @@ class ReplayExecutor(ExecutorBase):
             else:
                 logger.info("%s; the step is traced as it ran", msg)
             self.recording = True
-            t = self.program.trace
-            self.ops, self.guides = list(t.ops[:self.index]), list(t.guides[:self.index])
+            packed = self.program.packed
+            self.ops, self.guides = packed.ops(self.index), packed.guides(self.index)
             self.keys = list(self.program.keys[:self.index])
             self._first_online = self.index
         m = self.manager

@@ -13,42 +13,31 @@ from __future__ import annotations
 import numpy as np
 
 from hyperpar.offload.ir import ActivationTrace
-from hyperpar.offload.planning.gaps import last_accesses
 
 
 def min_resident_bytes(trace: ActivationTrace) -> list[int]:
-    n = trace.num_ops
-    sizes = trace.storage_sizes
-    delta = [0] * (n + 1)
-    for i, op in enumerate(trace.ops):
-        for acc in op.accesses:
-            delta[i] += sizes.get(acc.storage_id, 0)
-            delta[i + 1] -= sizes.get(acc.storage_id, 0)
-    pinned = trace.pinned_sids
-    ends = trace.lifetimes()
-    for sid, last in last_accesses(trace).items():
-        end = ends[sid][1]
-        if end > last and sid not in pinned:  # after its last access nothing brings it back
-            delta[last + 1] += sizes.get(sid, 0)
-            delta[end + 1] -= sizes.get(sid, 0)
-    if pinned:  # on the device from first to last op it lives, between accesses too
-        counted = [0] * (n + 1)
-        for i, op in enumerate(trace.ops):
-            for acc in op.accesses:
-                if acc.storage_id in pinned:
-                    counted[i] += sizes.get(acc.storage_id, 0)
-                    counted[i + 1] -= sizes.get(acc.storage_id, 0)
-        for sid, (lo, hi) in trace.lifetimes().items():
-            if sid in pinned:
-                delta[lo] += sizes.get(sid, 0)
-                delta[hi + 1] -= sizes.get(sid, 0)
-        for i in range(n + 1):
-            delta[i] -= counted[i]
-    out, running = [], 0
-    for i in range(n):
-        running += delta[i]
-        out.append(running)
-    return out
+    from hyperpar.offload.planning.arrays import trace_arrays
+
+    arr = trace_arrays(trace)
+    n = arr.num_ops
+    delta = np.zeros(n + 1, dtype=np.int64)
+    if n == 0:
+        return []
+    # every op holds what it accesses
+    np.add.at(delta, arr.access_op, arr.access_size)
+    np.add.at(delta, arr.access_op + 1, -arr.access_size)
+    pinned = np.isin(arr.sids, arr.pinned_sids) if len(arr.pinned_sids) else np.zeros(len(arr.sids), bool)
+    # after its last access nothing brings a storage back
+    tail = (arr.end_op > arr.last_op) & ~pinned
+    np.add.at(delta, arr.last_op[tail] + 1, arr.size[tail])
+    np.add.at(delta, arr.end_op[tail] + 1, -arr.size[tail])
+    if pinned.any():  # on the device from first to last op it lives, between accesses too
+        counted = np.isin(arr.access_sid, arr.pinned_sids)
+        np.add.at(delta, arr.access_op[counted], -arr.access_size[counted])
+        np.add.at(delta, arr.access_op[counted] + 1, arr.access_size[counted])
+        np.add.at(delta, arr.first_op[pinned], arr.size[pinned])
+        np.add.at(delta, arr.end_op[pinned] + 1, -arr.size[pinned])
+    return np.cumsum(delta[:-1]).tolist()
 
 
 def min_feasible_budget(trace: ActivationTrace) -> int:

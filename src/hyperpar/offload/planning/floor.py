@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from hyperpar.offload.ir import ActivationTrace, StepReport
+from hyperpar.offload.planning.arrays import resident_without_offload, trace_arrays
 from hyperpar.offload.planning.bounds import min_resident_bytes
 
 MIB = 1 << 20
@@ -54,7 +55,8 @@ class BudgetFloor:
 
 def budget_floor(trace: ActivationTrace) -> BudgetFloor:
     floor = min_resident_bytes(trace)
-    peak = trace.peak_bytes_without_offload()
+    resident = resident_without_offload(trace_arrays(trace))
+    peak = int(resident.max()) if len(resident) else 0
     if not floor:
         return BudgetFloor(0, None, "", 0, 0, peak)
     op = max(range(len(floor)), key=floor.__getitem__)  # the first op where the floor is reached

@@ -3,12 +3,41 @@
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
 from hyperpar.offload.planning.arrays import TraceArrays
 from hyperpar.offload.planning.simulate import SimResult, simulate
 
 logger = logging.getLogger(__name__)
+_kept = threading.local()  # .box: the simulations recorded by ``simulations_kept``, or None
+
+
+@contextmanager
+def simulations_kept() -> Iterator[dict[int, tuple[ResidencySchedule, int, SimResult]]]:
+    """Record every ``attach_prediction`` of this thread meanwhile, so the caller can take the
+    simulation of the schedule a planner returned instead of running it again."""
+    saved = getattr(_kept, "box", None)
+    _kept.box = box = {}
+    try:
+        yield box
+    finally:
+        _kept.box = saved
+
+
+def kept_simulation(box: dict[int, tuple[ResidencySchedule, int, SimResult]],
+                    schedule: ResidencySchedule) -> SimResult | None:
+    """The recorded simulation of this very schedule, unless its actions changed since."""
+    entry = box.get(id(schedule))
+    if entry is None or entry[0] is not schedule or entry[1] != _action_count(schedule):
+        return None
+    return entry[2]
+
+
+def _action_count(schedule: ResidencySchedule) -> int:
+    return sum(map(len, schedule.pre)) + sum(map(len, schedule.post))
 
 
 def attach_prediction(
@@ -16,6 +45,9 @@ def attach_prediction(
     log: bool = True,
 ) -> SimResult:
     sim = simulate(trace, schedule, arrays)
+    box = getattr(_kept, "box", None)
+    if box is not None:
+        box[id(schedule)] = (schedule, _action_count(schedule), sim)
     budget = trace.memory_limit_bytes
     schedule.budget_bytes = budget
     schedule.predicted_peak_bytes = sim.peak_resident_bytes

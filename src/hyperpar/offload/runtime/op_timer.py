@@ -28,6 +28,12 @@ class OpTimer:
         self._origin = time.perf_counter()
         self.mark()
 
+    def end_step(self) -> None:
+        """Drop the step's marks once they are read: the timer lives as long as the session."""
+        self._marks = []
+        self._pool.extend(self._events)
+        self._events = []
+
     def mark(self) -> int:
         """Record a time point (an op boundary); returns its index."""
         if self.use_events:
