@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -127,7 +128,8 @@ def main() -> None:
 
         args.out.write_text(json.dumps({
             "command": " ".join(["python", *sys.argv]), "torch": torch.__version__,
-            "cpus": os.cpu_count(), "load_average_1min": loads, "median_cpu_ms_slowest_rank": summary,
+            "machine": platform.platform(), "cpus": os.cpu_count(), "load_average_1min": loads,
+            "median_cpu_ms_slowest_rank": summary,
             "per_run": per_run}, indent=2) + "\n")
 
 
