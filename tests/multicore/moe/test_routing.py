@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from hyperpar.multicore.moe.routing import RoutingSetup, _recv_to_expert, build_route_plan
+from hyperpar.multicore.moe.routing import (
+    RoutingSetup,
+    _recv_to_expert,
+    build_route_plan,
+    inverse_permutation,
+)
 
 
 def test_recv_to_expert_reorders_source_major_rows() -> None:
@@ -14,6 +19,14 @@ def test_recv_to_expert_reorders_source_major_rows() -> None:
     index = _recv_to_expert(per_source)
     reordered = [labels[int(j)] for j in index]
     assert reordered == sorted(labels, key=lambda t: (t[1], t[0], t[2]))
+
+
+def test_inverse_permutation_undoes_the_gather() -> None:
+    perm = torch.randperm(50, generator=torch.Generator().manual_seed(0))
+    rows = torch.randn(50, 3)
+    inverse = inverse_permutation(perm)
+    assert torch.equal(rows[perm][inverse], rows)
+    assert torch.equal(torch.empty_like(rows).index_copy_(0, perm, rows), rows[inverse])
 
 
 def test_single_rank_plan_is_a_stable_sort_by_expert() -> None:
@@ -31,3 +44,6 @@ def test_single_rank_plan_is_a_stable_sort_by_expert() -> None:
         assert torch.equal(chosen, chosen.sort(stable=True).values)
         assert torch.equal(route.source_token, route.order // 2)
         assert route.expert_offsets.tolist() == torch.tensor(route.expert_counts).cumsum(0).tolist()
+    # every piece's sorted rows, in piece order, un-permute to (token, k) order
+    assert plan.unsort is not None
+    assert torch.equal(torch.cat([r.order for r in plan.chunks])[plan.unsort], torch.arange(10))

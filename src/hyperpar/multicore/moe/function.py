@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .combine import route_dots, weighted_sum
 from .grouped_gemm import grouped_mm, grouped_weight_grad
 from .routing import ChunkRoute, GradNeeds, RoutePlan, RoutingSetup, build_route_plan
 from .swiglu import swiglu, swiglu_backward
@@ -152,10 +153,20 @@ def route_rows(
     work that needs neither is hidden behind the communication."""
     total_rows = plan.num_tokens * plan.top_k
     hidden = source.shape[1]
+    # Results are allocated only once the first piece's are back (not held while pieces are
+    # computed): the summed one is accumulated piece by piece, the un-permuted one gathered in
+    # one go (``plan.unsort``) once every piece's results are back.
+    summing = return_results and sum_over_k
     result: Tensor | None = None
-    if return_results:
-        result = (source.new_zeros(plan.num_tokens, hidden) if sum_over_k
-                  else source.new_empty(total_rows, hidden))
+
+    def add_up(route: ChunkRoute, rows: Tensor) -> None:
+        nonlocal result
+        if result is None:
+            result = source.new_zeros(plan.num_tokens, hidden)
+        result.index_add_(0, route.source_token, rows)
+
+    def summed() -> Tensor:
+        return source.new_zeros(plan.num_tokens, hidden) if result is None else result
 
     def gather(route: ChunkRoute, out: Tensor | None = None) -> Tensor:
         index = route.source_token if source_is_tokens else route.order
@@ -165,23 +176,27 @@ def route_rows(
             rows.mul_(row_scale.index_select(0, route.order).unsqueeze(1))
         return rows
 
-    def give_back(route: ChunkRoute, rows: Tensor) -> None:
-        assert result is not None
-        if sum_over_k:
-            result.index_add_(0, route.source_token, rows)
-        else:
-            result.index_copy_(0, route.order, rows)
+    def unsorted(sorted_rows: Tensor) -> Tensor:
+        """[T*K, H] in (token, k) order from every piece's rows in piece order."""
+        assert plan.unsort is not None
+        return sorted_rows.index_select(0, plan.unsort)
 
     if math.ep_size == 1:
         if after_dispatch is not None:
             after_dispatch()
+        outs: list[Tensor] = []
         for c, route in enumerate(plan.chunks):
             out = compute(c, route, gather(route))
-            if result is not None:
-                give_back(route, out)
+            if summing:
+                add_up(route, out)
+            elif return_results:
+                outs.append(out)
+            del out
             if after_combine is not None:
                 after_combine(c)
-        return result
+        if return_results and not sum_over_k:
+            return unsorted(_joined(outs, source, hidden))
+        return summed() if summing else None
 
     # Each piece of a wave owns a disjoint slice of both buffers. Its received rows are
     # copied out (owned) before its results are written back into the same slice, and its
@@ -208,19 +223,22 @@ def route_rows(
         for (c, route), work in zip(wave, dispatches, strict=True):
             send, recv = views(route)
             work.wait()
-            assert route.recv_to_expert is not None
+            assert route.recv_to_expert is not None and route.expert_to_recv is not None
             out = compute(c, route, recv.index_select(0, route.recv_to_expert))
-            if result is not None:
-                recv.index_copy_(0, route.recv_to_expert, out)
+            if return_results:
+                torch.index_select(out, 0, route.expert_to_recv, out=recv)  # back to source-major
                 combines.append(_exchange(send, recv, route.send_splits, route.recv_splits, math))
             del out  # in the buffer now: not held while after_combine runs
             if after_combine is not None:
                 after_combine(c)
-        if result is not None:
-            for (_, route), work in zip(wave, combines, strict=True):
-                work.wait()
-                give_back(route, views(route)[0])
-    return result
+        for work in combines:
+            work.wait()
+        if summing:
+            for _, route in wave:
+                add_up(route, views(route)[0])
+    if return_results and not sum_over_k:
+        return unsorted(send_all)  # every piece's results are in the send buffer, in piece order
+    return summed() if summing else None
 
 
 def _joined(parts: list[Tensor], like: Tensor, width: int) -> Tensor:
@@ -252,8 +270,7 @@ def _forward(call: MoeCall, hidden: Tensor, topk_ids: Tensor, topk_weights: Tens
 
     expert_out = route_rows(hidden, True, plan, call.workspace, math, compute)
     assert expert_out is not None
-    weights = topk_weights.to(expert_out.dtype).view(tokens, 1, top_k)
-    output = torch.bmm(weights, expert_out.view(tokens, top_k, hidden_size)).view(tokens, hidden_size)
+    output = weighted_sum(expert_out.view(tokens, top_k, hidden_size), topk_weights)
     return (output, _joined(saved_rows, hidden, hidden_size),
             _joined(saved_pre, hidden, 2 * down.shape[1]),
             expert_out if call.weights_grad else hidden.new_empty(0, hidden_size))
@@ -291,9 +308,8 @@ def _backward(call: MoeCall, grad_output: Tensor, topk_weights: Tensor, gate_up:
     def routing_weights_grad() -> None:
         nonlocal weights_grad
         if need_weights:
-            weights_grad = torch.bmm(expert_out.view(tokens, top_k, hidden_size),
-                                     grad.view(tokens, hidden_size, 1)).view(tokens, top_k)
-            weights_grad = weights_grad.to(topk_weights.dtype)
+            per_route = expert_out.view(tokens, top_k, hidden_size)
+            weights_grad = route_dots(per_route, grad).to(topk_weights.dtype)
 
     hidden_grad = gate_up_grad = down_grad = None
     # Whether gradient rows travel, and come back, is decided by every EP rank's needs

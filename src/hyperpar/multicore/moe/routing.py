@@ -30,7 +30,8 @@ class ChunkRoute:
     recv_splits: list[int]  # rows received from each EP rank
     expert_counts: list[int]  # rows per local expert after dispatch
     expert_offsets: torch.Tensor  # int32 end offsets of expert_counts, on the rows' device
-    recv_to_expert: torch.Tensor | None  # received (source-major) row -> expert-major position
+    recv_to_expert: torch.Tensor | None  # [expert-major row] -> its received (source-major) row
+    expert_to_recv: torch.Tensor | None  # the inverse: [received row] -> its expert-major row
     send_begin: int  # first row of this piece in the send-side workspace buffer
     recv_begin: int  # first row of this piece in the receive-side workspace buffer (per wave)
     wave: int = 0  # pieces of one wave share the receive buffer; waves run one after another
@@ -64,6 +65,9 @@ class RoutePlan:
     waves: int = 1  # more than one only when a bounded capacity is exceeded
     backward_dispatch: bool = False  # some EP rank needs expert-side gradients
     backward_combine: bool = False  # some EP rank needs the hidden-state gradient
+    # [(token, k) row] -> its row among every piece's sorted rows in piece order (the send-side
+    # buffer): un-permutes the returned rows with one gather
+    unsort: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -178,6 +182,12 @@ def _recv_to_expert(per_source: torch.Tensor) -> torch.Tensor:
     return _gather_segments(source_major_start.t().reshape(-1), per_source.t().reshape(-1))
 
 
+def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    """``inv`` with ``inv[perm[i]] = i``: a gather by ``inv`` undoes a gather by ``perm``, and
+    replaces a scatter by ``perm`` (``index_copy_``), which is several times slower on CPU."""
+    return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+
+
 def wave_counts(counts_all: torch.Tensor, capacity_rows: int) -> torch.Tensor:
     """Split ``counts_all`` [source, chunk, destination, local expert] into waves
     [wave, source, chunk, destination, local expert] so that no destination receives more
@@ -240,10 +250,13 @@ def build_route_plan(setup: RoutingSetup, topk_ids: torch.Tensor, num_tokens: in
     per_wave = wave_counts(counts_all, setup.capacity_rows)
     assert keys is not None
     chunk_routes = _pieces(setup, counts_all, per_wave, torch.argsort(keys, stable=True), topk_ids.device)
+    # every (token, k) row travels in exactly one piece (lossless)
+    unsort = inverse_permutation(torch.cat([route.order for route in chunk_routes]) if chunk_routes
+                                 else keys.new_empty(0))
     return RoutePlan(num_tokens=num_tokens, top_k=setup.top_k, chunks=tuple(chunk_routes),
                      recv_rows=int(recv_per_rank[setup.ep_rank]), max_recv_rows=max_recv,
                      waves=per_wave.shape[0],
-                     backward_dispatch=backward_dispatch, backward_combine=backward_combine)
+                     backward_dispatch=backward_dispatch, backward_combine=backward_combine, unsort=unsort)
 
 
 def _pieces(setup: RoutingSetup, counts_all: torch.Tensor, per_wave: torch.Tensor, order: torch.Tensor,
@@ -269,6 +282,7 @@ def _pieces(setup: RoutingSetup, counts_all: torch.Tensor, per_wave: torch.Tenso
                 chunk_order = chunk_order[_gather_segments(block_start, mine.reshape(-1)).to(device)]
             per_source = per_wave[w, :, c, me]  # [source, local expert]
             expert_counts = per_source.sum(0).tolist()
+            recv_to_expert = _recv_to_expert(per_source).to(device) if setup.ep_size > 1 else None
             route = ChunkRoute(
                 order=chunk_order,
                 source_token=torch.div(chunk_order, setup.top_k, rounding_mode="floor"),
@@ -277,7 +291,8 @@ def _pieces(setup: RoutingSetup, counts_all: torch.Tensor, per_wave: torch.Tenso
                 expert_counts=expert_counts,
                 expert_offsets=torch.tensor(expert_counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
                 .to(device),
-                recv_to_expert=_recv_to_expert(per_source).to(device) if setup.ep_size > 1 else None,
+                recv_to_expert=recv_to_expert,
+                expert_to_recv=None if recv_to_expert is None else inverse_permutation(recv_to_expert),
                 send_begin=send_begin, recv_begin=recv_begin, wave=w, saved_begin=saved_begin,
             )
             routes.append(route)
