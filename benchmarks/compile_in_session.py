@@ -10,7 +10,8 @@ interleaved (rotating order) so the machine's load affects all alike:
 - ``session_50``: compiled blocks in a session at 50 % of the peak.
 
 Reports the median wall and CPU time per step and each ratio to ``compiled``; writes
-``benchmarks/results/compile.json`` (or ``--out``) with machine, torch and command.
+``hyperpar-bench/compile.json`` with machine, torch and command (``--out
+benchmarks/results/compile.json`` updates the committed one).
 
     python benchmarks/compile_in_session.py                    # small GPT, inductor
     python benchmarks/compile_in_session.py --quick            # tiny, a few steps (smoke test)
@@ -103,7 +104,7 @@ def main() -> int:
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
     parser.add_argument("--batch", type=int, default=None, help="batch size (default 16; quick 2)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/compile.json"))
+    parser.add_argument("--out", type=Path, default=Path("hyperpar-bench/compile.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     steps = args.steps if args.steps is not None else (2 if args.quick else 12)

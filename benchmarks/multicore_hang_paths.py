@@ -10,7 +10,8 @@ error and goes on would, so the peer's figure is not cut short by the process ex
     .venv/bin/python benchmarks/multicore_hang_paths.py               # after: this checkout
     PYTHONPATH=/path/to/old/src .venv/bin/python benchmarks/multicore_hang_paths.py --label before
 
-Results go to ``benchmarks/results/multicore_hang_paths.json`` (one entry per ``--label``).
+Results go to ``hyperpar-bench/multicore_hang_paths.json`` (one entry per ``--label``);
+``--out benchmarks/results/multicore_hang_paths.json`` updates the committed one.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 H, INTER, E, K, T = 16, 8, 4, 2, 8
-RESULTS = Path(__file__).resolve().parent / "results" / "multicore_hang_paths.json"
+RESULTS = Path("hyperpar-bench/multicore_hang_paths.json")  # benchmarks/results only when --out says so
 
 
 def _layer(ep_size: int, **kwargs: Any) -> Any:

@@ -103,6 +103,14 @@ def _plan(out: str) -> None:
     assert "peak without offload" in out and "greedy ovh" in out
 
 
+def _hang_paths(out: str) -> None:
+    assert '"outcome": "ok"' in out and "rejected by EP rank(s) 0 before any dispatch" in out
+
+
+def _fuzz_failures(out: str) -> None:
+    assert ": 80 cases: 80 bitwise equal to plain, 0 wrong or failed, 0 crashed" in out
+
+
 def _help(out: str) -> None:
     assert "usage: hyperpar" in out
 
@@ -143,6 +151,11 @@ KNOWN: dict[str, Run | Skip] = {
     ".venv/bin/python -m hyperpar.bench.host_pool": Run(("--steps", "20", "--session-steps", "3")),
     ".venv/bin/python benchmarks/variable_lengths.py --out benchmarks/results/variable_lengths.json": Run(
         ("--steps", "6")),
+    (".venv/bin/python benchmarks/multicore_hang_paths.py --label after "
+     "--out benchmarks/results/multicore_hang_paths.json"): Run(
+        ("--only", "ep1_close_on_rank0_only", "expert_weights_on_one_rank"), _hang_paths),
+    ".venv/bin/python benchmarks/fuzz_failures.py --out benchmarks/results/fuzz_failures.json": Run(
+        (), _fuzz_failures),
     ".venv/bin/python benchmarks/gpu/run.py": Skip(
         "tests/benchmarks/test_gpu_script.py runs it as written at --device cpu --size tiny"),
     ".venv/bin/python -m pytest -q tests/reliability": Skip("a part of this test suite"),
