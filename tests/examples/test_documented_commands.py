@@ -111,6 +111,10 @@ def _fuzz_failures(out: str) -> None:
     assert ": 80 cases: 80 bitwise equal to plain, 0 wrong or failed, 0 crashed" in out
 
 
+def _tiny_ops(out: str) -> None:
+    assert "kept_plan_bytes_per_access" in out and "warmup_over_plain" in out
+
+
 def _help(out: str) -> None:
     assert "usage: hyperpar" in out
 
@@ -156,6 +160,8 @@ KNOWN: dict[str, Run | Skip] = {
         ("--only", "ep1_close_on_rank0_only", "expert_weights_on_one_rank"), _hang_paths),
     ".venv/bin/python benchmarks/fuzz_failures.py --out benchmarks/results/fuzz_failures.json": Run(
         (), _fuzz_failures),
+    ".venv/bin/python benchmarks/tiny_ops.py --layers 21500": Run(
+        ("--layers", "40", "--out", "{tmp}/tiny_ops.json"), _tiny_ops),
     ".venv/bin/python benchmarks/gpu/run.py": Skip(
         "tests/benchmarks/test_gpu_script.py runs it as written at --device cpu --size tiny"),
     ".venv/bin/python -m pytest -q tests/reliability": Skip("a part of this test suite"),
