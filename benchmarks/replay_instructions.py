@@ -15,13 +15,11 @@ version::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from typing import Any
 
-import torch
+from replay_overhead import tiny_gpt_step  # this folder's: the same model and step
 
 from hyperpar.bench.offload import PassThrough  # the do-nothing dispatch mode
-from hyperpar.models import GPT, GPTConfig, random_batch
 from hyperpar.offload import OffloadConfig, OffloadSession
 
 
@@ -31,23 +29,14 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    cfg = dataclasses.replace(GPTConfig.tiny(), n_layer=args.layers)
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    x, y = random_batch(cfg, 1, torch.Generator().manual_seed(1))
+    run = tiny_gpt_step(args.layers)
     ctx: Any = None
     if args.variant == "passthrough":
         ctx = PassThrough()
     elif args.variant == "replay":
         ctx = OffloadSession(OffloadConfig(max_resident_activation_mb=1 << 20, device="cpu"))
     for _ in range(2 + args.steps):  # two untimed steps: warmup and first replay
-        model.zero_grad(set_to_none=True)
-        if ctx is None:
-            model.loss(x, y).backward()
-        else:
-            with ctx:
-                model.loss(x, y).backward()
+        run(ctx)
     if args.variant == "replay":
         report = ctx.last_report
         assert report is not None and report.diverged_at is None, report

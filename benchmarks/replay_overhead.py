@@ -15,6 +15,7 @@ and leaving the session), which a small step would otherwise spread over its few
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -32,21 +33,28 @@ from hyperpar.models import GPT, GPTConfig, random_batch
 from hyperpar.offload import OffloadConfig, OffloadSession
 
 
-def measure(steps: int, n_layer: int) -> dict[str, Any]:
+def tiny_gpt_step(n_layer: int) -> Callable[[Any], None]:
+    """One fwd+bwd of a tiny GPT at batch 1 inside ``ctx`` (None: plain), on one thread."""
     torch.set_num_threads(1)
     cfg = dataclasses.replace(GPTConfig.tiny(), n_layer=n_layer)
     torch.manual_seed(0)
     model = GPT(cfg)
     x, y = random_batch(cfg, 1, torch.Generator().manual_seed(1))
 
-    def step(ctx: Any) -> float:
+    def run(ctx: Any) -> None:
         model.zero_grad(set_to_none=True)
-        t0 = time.process_time()
-        if ctx is None:
+        with ctx if ctx is not None else contextlib.nullcontext():
             model.loss(x, y).backward()
-        else:
-            with ctx:
-                model.loss(x, y).backward()
+
+    return run
+
+
+def measure(steps: int, n_layer: int) -> dict[str, Any]:
+    run = tiny_gpt_step(n_layer)
+
+    def step(ctx: Any) -> float:
+        t0 = time.process_time()
+        run(ctx)
         return (time.process_time() - t0) * 1e3
 
     probe = OffloadSession(OffloadConfig(max_resident_activation_mb=1 << 20, device="cpu"))

@@ -26,6 +26,7 @@ from hyperpar.offload.ir import AccessKind, ActivationTrace, ResidencySchedule
 from hyperpar.offload.ir import ResidencyActionType as A
 from hyperpar.offload.ir.packed import PackedTrace
 from hyperpar.offload.ir.packed_schedule import KINDS, PackedSchedule
+from hyperpar.offload.ir.sorted_ids import sorted_distinct
 
 D2H, RELEASE, RELEASE_FINAL, H2D, RELEASE_HOST = range(5)
 READ, WRITE = AccessKind.READ, AccessKind.WRITE
@@ -134,7 +135,7 @@ class ReplayProgram:
         base = structure if structure is not None else _structure(trace, keys, packed)
         st = packed.structure
         all_sids, kinds = _np(packed_schedule.sid), np.frombuffer(packed_schedule.kind, dtype=np.uint8)
-        copied = _distinct(all_sids[kinds == _COPY_D2H])  # schedule.moved_sids(), from the arrays
+        copied = sorted_distinct(all_sids[kinds == _COPY_D2H])  # schedule.moved_sids(), from the arrays
         if trace.pinned_sids:
             copied = copied[~np.isin(copied, np.fromiter(trace.pinned_sids, dtype=np.int64))]
         moved = frozenset(copied.tolist())
@@ -150,7 +151,7 @@ class ReplayProgram:
         lists, act_sid, kind = lists[keep], act_sid[keep], kind[keep]
         last = np.full(len(act_sid), -1, dtype=np.int64)
         if len(acc_sid) and len(act_sid):
-            sids = _distinct(acc_sid)
+            sids = sorted_distinct(acc_sid)
             last_of = np.full(len(sids), -1, dtype=np.int64)
             np.maximum.at(last_of, np.searchsorted(sids, acc_sid), acc_op)
             where = np.minimum(np.searchsorted(sids, act_sid), len(sids) - 1)
@@ -193,12 +194,6 @@ class ReplayProgram:
 _CODES = np.array([{A.COPY_D2H: D2H, A.COPY_H2D: H2D, A.RELEASE_DEVICE: RELEASE,
                     A.RELEASE_HOST: RELEASE_HOST}[k] for k in KINDS], dtype=np.uint8)
 _RELEASE_DEVICE, _COPY_D2H = KINDS.index(A.RELEASE_DEVICE), KINDS.index(A.COPY_D2H)
-
-
-def _distinct(values: np.ndarray) -> np.ndarray:
-    """Sorted distinct values (numpy's hash-based ``unique`` is several times slower here)."""
-    s = np.sort(values)
-    return s[np.concatenate(([True], s[1:] != s[:-1]))] if len(s) else s
 
 
 def _np(a: array) -> np.ndarray:

@@ -20,13 +20,14 @@ from hyperpar.offload.ir.trace import AccessKind, ActivationTrace, StorageAccess
 READ, WRITE = AccessKind.READ, AccessKind.WRITE
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True)
 class TraceStructure:
     """What does not depend on sizes: per op its name, accesses and guide, as flat columns.
 
     Per op ``i``: accesses ``access_*[access_start[i]:access_start[i+1]]`` (in recorded order),
     output bindings ``bind_*[bind_start[i]:bind_start[i+1]]`` (by leaf), tensor inputs
     ``input_sid[input_start[i]:input_start[i+1]]``, output meta ``metas[meta_index[i]]``.
+    Equal (``==``, field by field) to another structure exactly when its columns are.
     """
 
     names: tuple[str, ...]
@@ -47,15 +48,6 @@ class TraceStructure:
     @property
     def num_ops(self) -> int:
         return len(self.names)
-
-    def same_as(self, other: TraceStructure) -> bool:
-        return (self.names == other.names and self.access_start == other.access_start
-                and self.access_sid == other.access_sid and self.access_write == other.access_write
-                and self.has_guides == other.has_guides and self.guide_names == other.guide_names
-                and self.leaf_count == other.leaf_count and self.bind_start == other.bind_start
-                and self.bind_leaf == other.bind_leaf and self.bind_sid == other.bind_sid
-                and self.input_start == other.input_start and self.input_sid == other.input_sid
-                and self.meta_index == other.meta_index and self.metas == other.metas)
 
     def accesses(self, i: int) -> list[tuple[int, bool]]:
         """(sid, is a write) of op ``i``'s accesses."""
@@ -117,7 +109,7 @@ def pack_structure(trace: ActivationTrace, like: TraceStructure | None = None) -
         leaf_count=leaf_count, bind_start=bind_start, bind_leaf=bind_leaf, bind_sid=bind_sid,
         input_start=input_start, input_sid=input_sid, meta_index=meta_index, metas=tuple(meta_ids),
     )
-    return like if like is not None and packed.same_as(like) else packed
+    return like if like is not None and packed == like else packed
 
 
 class PackedTrace:

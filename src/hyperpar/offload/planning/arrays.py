@@ -10,6 +10,7 @@ import numpy as np
 
 from hyperpar.offload.ir import AccessKind, ActivationTrace
 from hyperpar.offload.ir.packed import PackedTrace
+from hyperpar.offload.ir.sorted_ids import sorted_distinct
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ def trace_arrays(trace: ActivationTrace) -> TraceArrays:
     write = AccessKind.WRITE
     access_write = np.fromiter((a.kind is write for op in ops for a in op.accesses), dtype=bool)
     sizes = trace.storage_sizes
-    sids = _distinct(access_sid)
+    sids = sorted_distinct(access_sid)
     size = np.fromiter((sizes.get(int(s), 0) for s in sids), dtype=np.int64, count=len(sids))
     duration = np.fromiter((op.duration_ms for op in ops), dtype=np.float64, count=n)
     return _arrays(trace, counts, access_sid, access_write, sids, size, duration)
@@ -68,7 +69,7 @@ def packed_trace_arrays(trace: ActivationTrace, packed: PackedTrace) -> TraceArr
     counts = np.diff(np.array(st.access_start, dtype=np.int64))
     access_sid = np.array(st.access_sid, dtype=np.int64)
     access_write = np.frombuffer(st.access_write, dtype=np.uint8).astype(bool)
-    sids = _distinct(access_sid)
+    sids = sorted_distinct(access_sid)
     known = np.array(packed.size_sid, dtype=np.int64)
     order = np.argsort(known, kind="stable")
     known, known_bytes = known[order], np.array(packed.size_bytes, dtype=np.int64)[order]
@@ -77,12 +78,6 @@ def packed_trace_arrays(trace: ActivationTrace, packed: PackedTrace) -> TraceArr
             else np.zeros(len(sids), dtype=np.int64))
     return _arrays(trace, counts, access_sid, access_write, sids, size,
                    np.array(packed.duration_ms, dtype=np.float64))
-
-
-def _distinct(values: np.ndarray) -> np.ndarray:
-    """``np.unique`` by sorting (numpy's hash-based unique is several times slower here)."""
-    s = np.sort(values)
-    return s[np.concatenate(([True], s[1:] != s[:-1]))] if len(s) else s
 
 
 def _arrays(trace: ActivationTrace, counts: np.ndarray, access_sid: np.ndarray, access_write: np.ndarray,
