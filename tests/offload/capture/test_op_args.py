@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hyperpar.offload import OffloadConfig, OffloadSession
 from hyperpar.offload.capture import tensor_inputs, written_tensors
+from hyperpar.offload.capture.op_args import nested_tensors
 from hyperpar.offload.ir import AccessKind
 
 aten = torch.ops.aten
@@ -62,3 +66,38 @@ def test_trace_marks_the_right_storages_written() -> None:
     assert kinds[5] == {sid_b: AccessKind.WRITE}
     assert trace.storage_sizes[sid_out] == 8 * 4
     assert trace.ops[3].name == "aten.cat.out"
+
+
+def test_which_schemas_let_tensors_come_other_than_positionally() -> None:
+    """Replay checks the inputs of the ops that say False in one pass over ``args``."""
+    c10d = torch.ops.c10d
+    nested = [aten.cat.default, aten.index.Tensor, aten.index_put_.default, aten.mm.out,
+              aten._foreach_add_.List, aten.stack.default, c10d.allreduce_.default]
+    flat = [aten.add.Tensor, aten.addmm.default, aten.native_layer_norm.default,
+            aten.native_layer_norm_backward.default, aten.where.self, aten.copy_.default,
+            aten.split_with_sizes.default, aten.view.default, aten._to_copy.default]
+    assert [op for op in nested if not nested_tensors(op)] == []
+    assert [op for op in flat if nested_tensors(op)] == []
+    assert nested_tensors(lambda x: x)  # no schema: the general check
+
+
+def test_positional_schema_tensors_are_exactly_the_args_tensors() -> None:
+    """What makes the one-pass check sound: for a flat schema, every tensor input is a
+    positional argument (optional tensors included)."""
+    x, w, b = torch.randn(2, 4), torch.ones(4), torch.zeros(4)
+    seen: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                               kwargs: dict[str, Any] | None = None) -> Any:
+            seen.append((func, args, kwargs or {}))
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        torch.nn.functional.layer_norm(x, (4,), w, b)
+        torch.nn.functional.layer_norm(x, (4,), None, b)
+        torch.add(x, x, alpha=2)
+    for func, args, kwargs in seen:
+        if not nested_tensors(func):
+            positional = [a for a in args if isinstance(a, torch.Tensor)]
+            assert _ids(tensor_inputs(args, kwargs)) == _ids(positional), func

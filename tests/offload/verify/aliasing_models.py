@@ -66,3 +66,41 @@ class RegionWriteChoice(_Tail):
         a, b = x @ self.w[0], x @ self.w[1]
         both = _write_in_region(x, a, b)
         return self.tail(a, b) + both.sum()
+
+
+class ListOrderChoice(_Tail):
+    """``torch.cat`` takes its tensors in a list (the general input check): the data picks
+    their order, so the op and its shapes stay the same while the storages swap places."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = x @ self.w[0], x @ self.w[1]
+        both = torch.cat([a, b] if x[0, 0] > 0 else [b, a], dim=1)
+        return self.tail(both[:, :D], both[:, D:])
+
+
+class ParameterOrActivation(_Tail):
+    """The same matmul reads a parameter on one step and an activation of the same shape on
+    the next, the other ops unchanged (the one-pass check of positional inputs: "not an
+    activation" must hold)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = x @ self.w[0], torch.tanh(x @ self.w[1])
+        made = torch.tanh(self.w[2] * 1.5)
+        right = self.w[2] if x[0, 0] > 0 else made
+        return self.tail(a @ right, b * made.sum())
+
+
+class OptionalInput(_Tail):
+    """An optional tensor argument present on one step and absent on the next
+    (``native_layer_norm``'s bias): the op and its output shapes are the same, its number of
+    tensor inputs is not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.rand(D) + 0.5)
+        self.bias = nn.Parameter(torch.randn(D) / 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = x @ self.w[0], x @ self.w[1]
+        h = torch.nn.functional.layer_norm(a, (D,), self.gain, self.bias if x[0, 0] > 0 else None)
+        return self.tail(h, b)

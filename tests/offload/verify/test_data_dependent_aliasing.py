@@ -9,7 +9,15 @@ import pytest
 import torch
 from torch import nn
 
-from tests.offload.verify.aliasing_models import ReadChoice, RegionWriteChoice, WriteChoice, choice_input
+from tests.offload.verify.aliasing_models import (
+    ListOrderChoice,
+    OptionalInput,
+    ParameterOrActivation,
+    ReadChoice,
+    RegionWriteChoice,
+    WriteChoice,
+    choice_input,
+)
 from tests.offload.verify.lockstep import Lockstep, measured_peak, session_at
 
 FRACTIONS = (0.0, 0.25, 0.5, 0.75)
@@ -55,3 +63,13 @@ def test_data_dependent_write_inside_skip_offload(frac: float, engine: str) -> N
     """The region is one op to replay; which of its inputs it writes is still part of what
     replay must check."""
     check_alternation(RegionWriteChoice, frac, "greedy", engine)
+
+
+@pytest.mark.parametrize("model", [ListOrderChoice, ParameterOrActivation, OptionalInput],
+                         ids=lambda m: m.__name__)
+@pytest.mark.parametrize("frac", (0.0, 0.5))
+def test_inputs_that_change_place(model: type[nn.Module], frac: float) -> None:
+    """Replay checks positional tensor inputs in one pass and lists the general way; an
+    input moved inside a list, a parameter read where the plan read an activation (or the
+    reverse) and an optional tensor that comes and goes are all differences it must see."""
+    check_alternation(model, frac, "greedy", "thread")

@@ -360,11 +360,11 @@ class OffloadSession:
         structure = next(st for st in self._structures.values()
                          if any(p.program is program for p in st.sizes.values()))
         plan = next(p for p in structure.sizes.values() if p.program is program)
-        nbytes = executor.table.nbytes
-        sizes = {sid: nbytes[sid] for sid in plan.packed.size_sid}
-        bucket = size_bucket(sizes.get(0, 0))
+        nbytes, size_sid = executor.table.nbytes, plan.packed.size_sid
+        bucket = size_bucket(nbytes[0] if size_sid and (size_sid[0] == 0 or 0 in size_sid) else 0)
         own = structure.sizes.get(bucket)
-        if own is None or sum(sizes.values()) > own.total_bytes * REPLAN_GROWTH:
+        if own is None or sum(map(nbytes.__getitem__, size_sid)) > own.total_bytes * REPLAN_GROWTH:
+            sizes = {sid: nbytes[sid] for sid in size_sid}
             if own is not None:  # plan for the larger of the two at each storage
                 planned = own.packed.storage_sizes()
                 sizes = {sid: max(n, planned.get(sid, 0)) for sid, n in sizes.items()}

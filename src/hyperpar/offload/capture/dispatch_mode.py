@@ -54,6 +54,7 @@ except ImportError:  # pragma: no cover - older torch: cache hits are not checke
     set_guard_complete_hook = None
 
 _infra_mode = torch._C._get_dispatch_mode
+_modes_below = torch._C._len_torch_dispatch_stack  # infra modes included; ours is off it in an op
 _eval_frame_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback
 _set_eval_frame = torch._C._dynamo.eval_frame.set_eval_frame
 _NO_KWARGS: dict[str, Any] = {}  # never written to: ops take ``**kwargs`` copies
@@ -121,7 +122,7 @@ class OffloadDispatchMode(TorchDispatchMode):
                            kwargs: dict[str, Any] | None = None) -> Any:
         if _eval_frame_callback():
             return self._outside_dynamo(func, types, args, kwargs)
-        if _infra_mode(_FAKE) is not None or _infra_mode(_PROXY) is not None:
+        if _modes_below() and (_infra_mode(_FAKE) is not None or _infra_mode(_PROXY) is not None):
             # Torch is tracing (a higher-order op's autograd builds its graphs on fake tensors
             # in eager): those ops, and any copy we would issue now, are not real.
             return func(*args, **(kwargs or {}))

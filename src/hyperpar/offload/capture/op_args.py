@@ -11,6 +11,8 @@ Tensor = torch.Tensor
 
 # func -> ((schema position, argument name, kwarg-only), ...) for arguments marked (a!).
 _WRITE_SPECS: dict[Any, tuple[tuple[int, str, bool], ...]] = {}
+# func -> whether a tensor can come other than as a positional argument (see ``nested_tensors``)
+_NESTED: dict[Any, bool] = {}
 
 
 def _add_sequence(out: list[Tensor], seq: list[Any] | tuple[Any, ...]) -> None:
@@ -37,6 +39,43 @@ def tensor_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]
             elif isinstance(a, (list, tuple)):
                 _add_sequence(out, a)
     return out
+
+
+def nested_tensors(func: Any) -> bool:
+    """Whether the op's schema lets a tensor arrive inside a list or as a keyword-only argument.
+
+    When it does not, the tensors among its arguments are exactly the tensors in ``args`` (at
+    dispatch, positional schema arguments come in ``args``; a ``Scalar`` is never a tensor), so
+    replay checks its inputs with one pass over ``args``. Ops without a schema say True.
+    """
+    nested = _NESTED.get(func)
+    if nested is None:
+        schema = getattr(func, "_schema", None)
+        nested = schema is None or any(
+            _holds_tensor(arg.type) and (arg.kwarg_only or _in_list(arg.type))
+            for arg in schema.arguments)
+        _NESTED[func] = nested
+    return nested
+
+
+def _unwrap(t: Any) -> Any:
+    while t.kind() == "OptionalType":
+        t = t.getElementType()
+    return t
+
+
+def _in_list(t: Any) -> bool:
+    return _unwrap(t).kind() in ("ListType", "TupleType", "AnyType")
+
+
+def _holds_tensor(t: Any) -> bool:
+    t = _unwrap(t)
+    kind = t.kind()
+    if kind == "ListType":
+        return _holds_tensor(t.getElementType())
+    if kind == "TupleType":
+        return any(_holds_tensor(e) for e in t.elements())
+    return kind in ("TensorType", "AnyType")
 
 
 def _write_spec(func: Any) -> tuple[tuple[int, str, bool], ...]:

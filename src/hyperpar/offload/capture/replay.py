@@ -41,8 +41,10 @@ from hyperpar.offload.capture.replay_program import (
     HAS_POST,
     HAS_PRE,
     HAS_WRITES,
+    NESTED_INPUTS,
     RELEASE,
     RELEASE_FINAL,
+    SCHEDULED,
     ReplayProgram,
     size_bucket,
 )
@@ -61,8 +63,8 @@ READ, WRITE = AccessKind.READ, AccessKind.WRITE
 SLACK_BYTES = 64 << 10
 
 
-def _limit(budget: int, planned: tuple[int, ...]) -> int:
-    top = max(budget, max(planned, default=0))
+def _limit(budget: int, planned_peak: int) -> int:
+    top = max(budget, planned_peak)
     return top + max(SLACK_BYTES, top // 50)
 
 
@@ -113,10 +115,11 @@ class ReplayExecutor(ExecutorBase):
         self._raise = on_divergence == "raise"
         self._opaque_marks: list[int] = []
         self._replay_regions: list[_Region] = []
-        self._limit = _limit(budget_bytes, program.planned_resident)
+        self._limit = _limit(budget_bytes, program.planned_peak)
         self.relieved = False  # evicted beyond the plan: every op pages in and marks writes
         self.first_size = -1  # bytes of the step's first activation (picks the size's plan)
         self._growth = 0.0  # when > 1: this step's sizes over the plan's; room is made before ops
+        self._careful = False  # _growth or relieved: ops take ``_before_careful``
 
     # --- ops (the hot path) ---------------------------------------------------------
     def run_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -129,66 +132,51 @@ class ReplayExecutor(ExecutorBase):
                 return self.run_op(func, args, kwargs)
             self._diverge(i, op_name(func), "another op")
             return self.online_op(func, args, kwargs)
-        # Each tensor input must be the very storage the plan expects (a list in the args or
-        # a tensor keyword argument takes the general path).
-        expected = p.in_sid[p.in_start[i]:p.in_start[i + 1]]
+        # Each tensor input must be the very storage the plan expects. When the schema allows
+        # tensors only as positional arguments, one pass over ``args`` sees them all; anything
+        # unexpected there (or a list or keyword tensor) is settled by the general check.
+        flags = p.flags[i]
         table = self.table
         ids, sid_of = table.ids, table.sid_of
-        k, n_expected, ok = 0, len(expected), True  # type: ignore[arg-type]
-        for a in args:
-            if isinstance(a, Tensor):
-                if k == n_expected:
-                    ok = False
-                    break
-                sid = expected[k]  # type: ignore[index]
-                k += 1
-                try:
-                    key = id(a.untyped_storage())
-                except (RuntimeError, NotImplementedError):
-                    if sid != NO_STORAGE:
-                        ok = False
-                        break
-                    continue
-                if sid >= 0:
-                    if ids[sid] != key:
-                        ok = False
-                        break
-                elif sid == NOT_ACTIVATION:
-                    other = sid_of.get(key)
-                    if other is not None and ids[other] == key:
-                        ok = False
-                        break
-                else:
-                    ok = False
-                    break
-            elif (type(a) is list or type(a) is tuple) and a and not isinstance(a[0], (int, float)):
-                k = -1  # a tensor list (cat, collectives): the general path
-                break
-        if k == -1 or (kwargs and _has_tensors(kwargs)):
-            ok = self._inputs_match(tensor_inputs(args, kwargs), expected)  # type: ignore[arg-type]
-        elif k != n_expected:
-            ok = False
-        if not ok:
-            ins = tensor_inputs(args, kwargs)
-            if self._switch(i, func, ins, None, None):
+        ok = not flags & NESTED_INPUTS
+        if ok:
+            k = p.in_start[i]
+            in_sid = p.in_sid
+            try:
+                for a in args:
+                    if isinstance(a, Tensor):
+                        sid = in_sid[k]
+                        k += 1
+                        key = id(a.untyped_storage())
+                        if sid >= 0:
+                            if ids[sid] != key:
+                                ok = False
+                                break
+                        elif sid != NOT_ACTIVATION or ((other := sid_of.get(key)) is not None
+                                                       and ids[other] == key):
+                            ok = False
+                            break
+            except (IndexError, RuntimeError, NotImplementedError):  # a storage-less tensor, ...
+                ok = False
+            ok = ok and k == p.in_start[i + 1]
+        if not ok and not self._inputs_match(tensor_inputs(args, kwargs), p.inputs(i)):  # type: ignore[arg-type]
+            if self._switch(i, func, tensor_inputs(args, kwargs), None, None):
                 return self.run_op(func, args, kwargs)
             self._diverge(i, op_name(func), "its inputs are other storages than the plan's")
             return self.online_op(func, args, kwargs)
         self.index = i + 1
-        flags = p.flags[i]
-        if flags & HAS_PRE:
-            self._act(p, 2 * i)
         m = self.manager
-        if m.pending_free:
+        if flags & SCHEDULED:  # the plan moves storages around this op
+            if flags & HAS_PRE:
+                self._act(p, 2 * i)
+            if m.pending_free:
+                m.reap()
+            if flags & HAS_MOVED:
+                self._bring_moved(p.in_moved(i), p.writes(i) if flags & HAS_WRITES else None)
+        elif m.pending_free:
             m.reap()
-        if flags & HAS_MOVED:
-            self._bring_moved(p.in_moved(i), p.writes(i) if flags & HAS_WRITES else None)
-        if self._growth and p.made[i]:
-            made = int(p.made[i] * self._growth)
-            if table.live_bytes - m.away_bytes + made > self._limit:
-                self._relieve(i, set(expected), made)  # type: ignore[arg-type]
-        if self.relieved:
-            self._bring_any(func, tensor_inputs(args, kwargs), args, kwargs)
+        if self._careful:  # a step larger than its plan, or evicting beyond it
+            self._before_careful(i, func, args, kwargs)
         timer = self.timer
         if timer is None:
             out = func(*args, **kwargs)
@@ -198,12 +186,13 @@ class ReplayExecutor(ExecutorBase):
             self.op_marks.append((p.names[i], begin, timer.mark()))
         meta = p.meta[i]
         if type(out) is Tensor:
-            m0 = meta[0] if len(meta) == 1 else None
             leaves = None
-            if (m0 is None or out.dtype is not m0[1] or out.dim() != m0[0]) and not self._switch(
-                    i, func, tensor_inputs(args, kwargs), out, None):
-                self._diverge_after(i, func, args, kwargs, [out], "other output dtypes or ranks")
-                return out
+            if len(meta) != 1 or (m0 := meta[0]) is None or out.dtype is not m0[1] or out.dim() != m0[0]:
+                if not self._switch(i, func, tensor_inputs(args, kwargs), out, None):
+                    self._diverge_after(i, func, args, kwargs, [out], "other output dtypes or ranks")
+                    return out
+                p = self.program
+                flags = p.flags[i]
         else:
             leaves = output_leaves(out)
             if not self._meta_matches(meta, leaves) and not self._switch(
@@ -220,12 +209,9 @@ class ReplayExecutor(ExecutorBase):
                 sid = p.bind_sid[lo]
                 try:
                     st = out.untyped_storage()
-                    key = id(st)
-                    other = sid_of.get(key)
-                    fresh = other is None or ids[other] != key
                 except (RuntimeError, NotImplementedError):
-                    fresh = False
-                if not fresh:
+                    st = None
+                if st is None or ((other := sid_of.get(id(st))) is not None and ids[other] == id(st)):
                     self._diverge_after(i, func, args, kwargs, [out], "an output is not a new storage")
                     return out
                 table.bind(sid, st, i)
@@ -234,20 +220,31 @@ class ReplayExecutor(ExecutorBase):
             elif not self._bind(i, p.binds(i), out, leaves):  # type: ignore[arg-type]
                 self._diverge_after(i, func, args, kwargs, leaves or [out], "an output is not a new storage")
                 return out
-        if flags & HAS_WRITES:
-            entries = m.entries
-            for sid in p.writes(i):
-                entry = entries.get(sid)
-                if entry is not None:
-                    m.mark_written(entry)
-        resident = table.live_bytes - m.away_bytes
+        if flags & SCHEDULED:
+            self._after(i)
+        elif new:  # else nothing can have grown what the device holds
+            resident = table.live_bytes - m.away_bytes
+            if resident > self.peak_bytes:
+                self.peak_bytes, self.peak_op = resident, i
+            if resident > self._limit:
+                self._relieve(i)
+        return out
+
+    def _note_resident(self, i: int) -> bool:
+        """Update the step's peak; whether it holds more than its limit."""
+        resident = self.table.live_bytes - self.manager.away_bytes
         if resident > self.peak_bytes:
             self.peak_bytes, self.peak_op = resident, i
-        if flags & HAS_POST:
-            self._act(p, 2 * i + 1)
-        if resident > self._limit:
-            self._relieve(i)
-        return out
+        return resident > self._limit
+
+    def _before_careful(self, i: int, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        p = self.program
+        if self._growth and p.made[i]:
+            made = int(p.made[i] * self._growth)
+            if self.table.live_bytes - self.manager.away_bytes + made > self._limit:
+                self._relieve(i, set(p.inputs(i) or ()), made)
+        if self.relieved:
+            self._bring_any(func, tensor_inputs(args, kwargs), args, kwargs)
 
     def _inputs_match(self, ins: list[Tensor], expected: Sequence[int]) -> bool:
         if len(ins) != len(expected):
@@ -360,12 +357,10 @@ class ReplayExecutor(ExecutorBase):
                 entry = entries.get(sid)
                 if entry is not None:
                     m.mark_written(entry)
-        resident = self.table.live_bytes - m.away_bytes
-        if resident > self.peak_bytes:
-            self.peak_bytes, self.peak_op = resident, i
+        over = self._note_resident(i)
         if flags & HAS_POST:
             self._act(p, 2 * i + 1)
-        if resident > self._limit:
+        if over:
             self._relieve(i)
 
     def _relieve(self, i: int, protected: Any = (), room: int = 0) -> None:
@@ -374,14 +369,14 @@ class ReplayExecutor(ExecutorBase):
         Before an op of a step larger than its plan: make ``room`` for what it is about to
         allocate, keeping its inputs (``protected``)."""
         if not self.relieved:
-            self.relieved = True
+            self.relieved = self._careful = True
             logger.info("replay holds %d bytes after op %d, over its limit of %d: evicting beyond "
                         "the plan for the rest of the step",
                         self.table.live_bytes - self.manager.away_bytes, i, self._limit)
             with internal(self):
                 self.start_online()
         with internal(self):
-            top = max(self.budget_bytes, max(self.program.planned_resident))
+            top = max(self.budget_bytes, self.program.planned_peak)
             self.enforce_budget(protected, target=top - room)
 
     def describe_op(self) -> str:
@@ -409,6 +404,7 @@ class ReplayExecutor(ExecutorBase):
         m = self.manager
         entries = m.entries
         codes, sids = p.act_code, p.act_sid
+        paged_in = False
         for k in range(p.act_start[j], p.act_start[j + 1]):
             code = codes[k]
             entry = entries.get(sids[k])
@@ -420,10 +416,13 @@ class ReplayExecutor(ExecutorBase):
                 m.release_device(entry)
             elif code == H2D:
                 m.copy_h2d(entry)
+                paged_in = True
             elif code == RELEASE_FINAL:
                 m.release_device(entry, final=True)
             else:
                 m.release_host(entry)
+        if paged_in and j & 1 and self._note_resident(j >> 1):  # a pre list's are counted after its op
+            self._relieve(j >> 1)
 
     # --- opaque regions -------------------------------------------------------------
     def begin_opaque(self, name: str, reads: list[torch.UntypedStorage]) -> Any:
@@ -624,7 +623,7 @@ class ReplayExecutor(ExecutorBase):
         self.moved_sids.update(alt.moved)
         self.program = alt
         self._n = alt.num_ops
-        self._limit = _limit(self.budget_bytes, alt.planned_resident)
+        self._limit = _limit(self.budget_bytes, alt.planned_peak)
         self._note_growth()
         if self.relieved:
             self.start_online()
@@ -633,6 +632,7 @@ class ReplayExecutor(ExecutorBase):
         planned = self.program.packed.size_of(0)
         ratio = self.first_size / planned if self.first_size > 0 and planned else 0.0
         self._growth = ratio if ratio > 1.0 else 0.0
+        self._careful = bool(self._growth) or self.relieved
 
     def _diverge_after(self, i: int, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                        leaves: list[Any], why: str) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hyperpar.offload.capture.op_args import nested_tensors
 from hyperpar.offload.capture.prefix_hash import prefix_hashes
 from hyperpar.offload.ir import AccessKind, ActivationTrace, ResidencySchedule
 from hyperpar.offload.ir import ResidencyActionType as A
@@ -53,6 +54,10 @@ def size_bucket(nbytes: int) -> int:
 
 # ``ReplayProgram.flags`` bits: which of an op's columns hold anything
 HAS_PRE, HAS_POST, HAS_MOVED, HAS_WRITES = 1, 2, 4, 8
+SCHEDULED = HAS_PRE | HAS_POST | HAS_MOVED | HAS_WRITES
+# the op's schema lets a tensor come in a list or as a keyword argument: replay checks its
+# inputs the general way (``op_args.nested_tensors``)
+NESTED_INPUTS = 16
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,6 +73,7 @@ class ReplayProgram:
     bind_start: array  # (leaf, sid) of the new storages, by leaf (ragged)
     bind_leaf: array
     bind_sid: array
+    nested: bytes  # per op: NESTED_INPUTS or 0
     region_accesses: dict[int, dict[int, AccessKind]]  # opaque ops: every sid they touch
     meta: tuple[tuple[LeafCheck, ...], ...]  # one shared tuple per distinct meta
     prefix: array  # prefix[i]: a hash of ops 0..i as replay checks them
@@ -83,6 +89,7 @@ class ReplayProgram:
     write_start: array  # moved sids each op writes (ragged)
     write_sid: array
     planned_resident: array  # the schedule's resident bytes per op (simulated)
+    planned_peak: int  # max(planned_resident), read at every step
     made: array  # bytes of the new storages each op makes, at the planned sizes
     moved: frozenset[int]
     bucket: int  # size_bucket of the first activation's size this program was planned for
@@ -168,7 +175,8 @@ class ReplayProgram:
         per_op_moved = np.bincount(acc_op[touched], minlength=n)
         per_op_written = np.bincount(acc_op[written], minlength=n)
         flags = ((per_list[0::2] > 0) * HAS_PRE | (per_list[1::2] > 0) * HAS_POST
-                 | (per_op_moved > 0) * HAS_MOVED | (per_op_written > 0) * HAS_WRITES)
+                 | (per_op_moved > 0) * HAS_MOVED | (per_op_written > 0) * HAS_WRITES
+                 | np.frombuffer(base.nested, dtype=np.uint8))
         # bytes of the new storages each op makes, at these sizes
         bind_sid = _np(base.bind_sid)
         bind_op = np.repeat(ops, np.diff(_np(base.bind_start)))
@@ -183,6 +191,7 @@ class ReplayProgram:
             moved_start=_offsets(per_op_moved), moved_sid=_q(acc_sid[touched]),
             write_start=_offsets(per_op_written), write_sid=_q(acc_sid[written]),
             planned_resident=array("q", planned_resident),
+            planned_peak=max(planned_resident, default=0),
             made=_q(made),
             moved=moved,
             bucket=size_bucket(packed.size_of(0)),
@@ -236,13 +245,16 @@ def _structure(trace: ActivationTrace, keys: list[Any], packed: PackedTrace) -> 
         region_hash[i] = hash(tuple(sorted(region.items())))
     in_start, in_sid, bind_start = st.input_start, st.input_sid, st.bind_start
     bind_leaf, bind_sid = st.bind_leaf, st.bind_sid
+    nested = {key: NESTED_INPUTS if isinstance(key, str) or nested_tensors(key) else 0 for key in set(keys)}
     prefix = prefix_hashes(keys, in_start, in_sid, bind_start, bind_leaf, bind_sid,
                            [metas_hash[j] for j in st.meta_index], region_hash)
     return ReplayProgram(
         keys=tuple(keys), names=st.names, in_start=in_start, in_sid=in_sid,
-        bind_start=bind_start, bind_leaf=bind_leaf, bind_sid=bind_sid, region_accesses=regions,
+        bind_start=bind_start, bind_leaf=bind_leaf, bind_sid=bind_sid,
+        nested=bytes(map(nested.__getitem__, keys)), region_accesses=regions,
         meta=meta, prefix=prefix, pinned=trace.pinned_sids, num_sids=max(trace.storage_sizes, default=-1) + 1,
         flags=b"", act_start=array("i"), act_code=b"", act_sid=array("q"), moved_start=array("i"),
         moved_sid=array("q"), write_start=array("i"), write_sid=array("q"), planned_resident=array("q"),
+        planned_peak=0,
         made=array("q"), moved=frozenset(), bucket=0, packed=packed,
     )

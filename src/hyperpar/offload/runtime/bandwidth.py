@@ -20,7 +20,7 @@ from hyperpar.offload.runtime.copy_engine import CopyEngine, make_copy_engine
 CPU_SIZES = (256 << 10, 1 << 20, 4 << 20)
 ACCELERATOR_SIZES = (1 << 20, 16 << 20, 64 << 20)
 REPEATS = 5
-_cache: dict[tuple[str, str], LinkBandwidth] = {}
+_cache: dict[tuple[torch.device, str], LinkBandwidth] = {}
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def probe_link(device: torch.device, engine: CopyEngine | None = None) -> LinkBa
     own = engine is None
     if engine is None:
         engine = make_copy_engine(device)
-    key = (str(device), engine.name)
+    key = (device, engine.name)
     if key in _cache:
         return _cache[key]
     sizes = CPU_SIZES if device.type == "cpu" else ACCELERATOR_SIZES

@@ -285,6 +285,8 @@ class HostPool:
         times it (or the layout of ``KEEP_FACTOR`` times it, if larger) the pool is laid out
         anew at the latter; after a step that grew the pool, its arenas become one layout of
         the same total (contiguous room where the step found only scattered pieces)."""
+        if not self._grew and self._held <= TRIM_FACTOR * need:  # the common case: nothing to do
+            return
         keep = sum(self._layout(aligned(int(KEEP_FACTOR * need))))
         if self._held > max(TRIM_FACTOR * need, keep):
             target = keep

@@ -162,7 +162,7 @@ class ThreadCopyEngine:
     def synchronize(self) -> None:
         for lane in (self._d2h, self._h2d):
             last = lane.last
-            if last is not None:
+            if last is not None and not last._flag.is_set():  # wait() takes a lock even when set
                 last._flag.wait()
         self.poll()
 
