@@ -40,6 +40,8 @@ QUICK = {"quick": dict(tokens=64, hidden=64, inter=64, experts=4, top_k=2, steps
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 WARMUP_STEPS = 2
 GOALS = {"float32": 1.0, "bfloat16": 0.85}  # MoeExperts / torchtitan, issue 13
+# The opt-in row of float32 runs: float32 inputs, outputs and gradients, GEMMs in bf16 (as torchtitan's)
+BF16_GEMMS = "MoeExperts bf16-GEMM"
 
 
 def _positive_int(text: str) -> int:
@@ -68,9 +70,13 @@ class _Variants:
     def __init__(self, size: dict[str, int], dtype: torch.dtype, world: int, rank: int) -> None:
         tokens, experts, top_k = size["tokens"], size["experts"], size["top_k"]
         torch.manual_seed(0)
-        self.layer = MoeExperts(local_num_tokens=tokens, hidden_size=size["hidden"],
-                                intermediate_size=size["inter"], num_experts=experts, top_k=top_k,
-                                ep_size=world).to(dtype)
+        layer_args = dict(local_num_tokens=tokens, hidden_size=size["hidden"],
+                          intermediate_size=size["inter"], num_experts=experts, top_k=top_k, ep_size=world)
+        self.layer = MoeExperts(**layer_args).to(dtype)
+        self.opt_in = None  # strict float32 is the default; the bf16-GEMM opt-in is a row of its own
+        if dtype == torch.float32:
+            self.opt_in = MoeExperts(**layer_args, gemm_dtype=torch.bfloat16).to(dtype)
+            self.opt_in.load_state_dict(self.layer.state_dict())
         self.gate_up = self.layer.gate_up_weight.detach().clone().requires_grad_()
         self.down = self.layer.down_weight.detach().clone().requires_grad_()
         self.peer = None if torchtitan_missing() else TorchtitanExperts(
@@ -82,11 +88,15 @@ class _Variants:
         weights, self.ids = probs.topk(top_k, -1)
         self.weights = weights.to(dtype).requires_grad_()
         self.world = world
-        self.names = ["MoeExperts", "naive"] + (["torchtitan"] if self.peer is not None else [])
+        self.names = (["MoeExperts", "naive"] + ([BF16_GEMMS] if self.opt_in is not None else [])
+                      + (["torchtitan"] if self.peer is not None else []))
 
     def call(self, name: str) -> torch.Tensor:
         if name == "MoeExperts":
             return self.layer(self.x, self.ids, self.weights)
+        if name == BF16_GEMMS:
+            assert self.opt_in is not None
+            return self.opt_in(self.x, self.ids, self.weights)
         if name == "naive":
             return naive_experts(self.x, self.ids, self.weights, self.gate_up, self.down, self.world)
         assert self.peer is not None
@@ -94,14 +104,19 @@ class _Variants:
 
     def clear_grads(self) -> None:
         params = [self.x, self.weights, self.gate_up, self.down, *self.layer.parameters()]
+        params += list(self.opt_in.parameters()) if self.opt_in is not None else []
         for p in params + (self.peer.parameters() if self.peer is not None else []):
             p.grad = None
 
     def persistent_bytes(self, name: str) -> int:
+        if name == BF16_GEMMS and self.opt_in is not None:
+            return self.opt_in.workspace_bytes
         return self.layer.workspace_bytes if name == "MoeExperts" else 0
 
     def close(self) -> None:
         self.layer.close()
+        if self.opt_in is not None:
+            self.opt_in.close()
 
 
 def _step_peak_rise(run_step: Any) -> int:
@@ -271,6 +286,9 @@ def _summarise(runs: list[dict[int, Any]], shape: str, dtype: str) -> dict[str, 
                                              for run in runs for r in run) for n in names[1:]}
     if "torchtitan" in names:
         summary["goal_moe_over_torchtitan"] = GOALS.get(dtype)
+        if BF16_GEMMS in names:  # the opt-in against the peer that also multiplies in bf16
+            summary["bf16_gemm_opt_in_over_torchtitan"] = _spread(
+                [p[BF16_GEMMS] / p["torchtitan"] for p in per_run])
     return summary
 
 
@@ -295,6 +313,11 @@ def _print_table(report: dict[str, Any]) -> None:
                       f"[{v['min']:.2f}-{v['max']:.2f}]" for k, v in s.items() if k.startswith("moe_over_")]
             goal = s.get("goal_moe_over_torchtitan")
             print("    " + "; ".join(ratios) + (f" (goal vs torchtitan <= {goal})" if goal else ""))
+            opt_in = s.get("bf16_gemm_opt_in_over_torchtitan")
+            if opt_in is not None:
+                print("    opt-in gemm_dtype=torch.bfloat16 (fp32 in/out/grads, bf16 GEMMs as torchtitan's): "
+                      f"{BF16_GEMMS}/torchtitan = {opt_in['median']:.2f} "
+                      f"[{opt_in['min']:.2f}-{opt_in['max']:.2f}]; the MoeExperts row is strict fp32")
     if not peer["missing"]:
         print(f"  note: {TORCHTITAN_NOTE}")
 

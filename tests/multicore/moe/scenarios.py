@@ -66,7 +66,7 @@ def full_weights(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def compare_with_reference(rank: int, world: int, cases: list[tuple[Any, ...]]) -> dict[str, Any]:
-    """Per case (scenario, overlap_chunks, swiglu_limit[, dtype[, expert_capacity_factor]]): the
+    """Per case (scenario, overlap_chunks, swiglu_limit[, dtype[, expert_capacity_factor[, gemm_dtype]]]): the
     largest difference of output and every gradient, whether experts without tokens got exact
     zero weight grads, and how many waves the call took."""
     distributed = world > 1
@@ -75,6 +75,7 @@ def compare_with_reference(rank: int, world: int, cases: list[tuple[Any, ...]]) 
     for label, chunks, limit, *rest in cases:
         dtype = rest[0] if rest else torch.float64
         capacity = rest[1] if len(rest) > 1 else None
+        gemm = rest[2] if len(rest) > 2 else None
         scenario, group, ep = label, None, world
         full = label.startswith("full/")  # (nearly) local_num_tokens tokens per rank
         if full:
@@ -97,7 +98,7 @@ def compare_with_reference(rank: int, world: int, cases: list[tuple[Any, ...]]) 
         layer = MoeExperts(local_num_tokens=MAX_TOKENS, hidden_size=HIDDEN, intermediate_size=INTER,
                            num_experts=EXPERTS, top_k=TOP_K, ep_size=ep, ep_group=group,
                            overlap_chunks=chunks, swiglu_limit=limit,
-                           expert_capacity_factor=capacity).to(dtype)
+                           expert_capacity_factor=capacity, gemm_dtype=gemm).to(dtype)
         mine = layer.local_expert_ids
         with torch.no_grad():
             layer.gate_up_weight.copy_(gate_up_full[mine.start:mine.stop])
@@ -119,9 +120,12 @@ def compare_with_reference(rank: int, world: int, cases: list[tuple[Any, ...]]) 
             dist.all_reduce(dn_grad, group=group)
             dist.all_reduce(used, group=group)
         unused_local = [e - mine.start for e in mine if int(used[e]) == 0]
-        suffix = "" if capacity is None else f"/capacity={capacity}"
+        gemm_note = "" if gemm is None else f"/gemm={gemm}"
+        suffix = ("" if capacity is None else f"/capacity={capacity}") + gemm_note
         report[f"{label}/chunks={chunks}/limit={limit}/{dtype}{suffix}"] = {
-            "dtype": str(dtype),
+            "dtype": str(dtype) + gemm_note,
+            "output_dtype": str(out.dtype),
+            "grad_dtypes": [str(g.dtype) for g in (x1.grad, w1.grad, layer.gate_up_weight.grad)],
             "waves": waves,
             "output": _max_diff(out, ref),
             "hidden_grad": _max_diff(x1.grad, x2.grad),

@@ -27,17 +27,21 @@ def test_quick_benchmark_writes_results(tmp_path: Path, capsys: pytest.CaptureFi
     assert report["torch"] and report["machine"]["cpus"] and report["command"]
     summary = report["summary"]["quick"]["float32"]
     peer = [] if torchtitan_missing() else ["torchtitan"]
-    assert list(summary["cpu_ms_slowest_rank"]) == ["MoeExperts", "naive", *peer]
+    assert list(summary["cpu_ms_slowest_rank"]) == ["MoeExperts", "naive", moe.BF16_GEMMS, *peer]
     assert summary["moe_over_naive"]["median"] > 0
     moe_memory = summary["memory"]["MoeExperts"]
     assert moe_memory["rise_bytes"] > 0 and moe_memory["persistent_bytes"] > 0
     assert summary["memory"]["naive"]["persistent_bytes"] == 0
-    assert max(summary["max_abs_diff_vs_moe"].values()) < (0.1 if peer else 1e-4)  # same math (bf16 GEMMs)
+    diffs = summary["max_abs_diff_vs_moe"]
+    assert diffs["naive"] < 1e-4  # same math in float32
+    assert 1e-5 < diffs[moe.BF16_GEMMS] < 0.1 and all(diffs[p] < 0.1 for p in peer)  # bf16 GEMMs
+    assert ("bf16_gemm_opt_in_over_torchtitan" in summary) == bool(peer)
     shared = report["workspace_bytes_shared"]
     assert shared["1_layers"] > 0 and shared["1_layers"] == shared["4_layers"] == shared["8_layers"]
     assert (tmp_path / "moe.png").stat().st_size > 0
     printed = capsys.readouterr().out
     assert "MoeExperts/naive" in printed
+    assert ("the MoeExperts row is strict fp32" in printed) == bool(peer)
     assert ("torchtitan's MoE is NOT measured" in printed) == (not peer)
 
 

@@ -11,7 +11,8 @@ from tests.multicore.moe.scenarios import compare_with_reference
 from tests.rank_harness import run_ranks
 
 SCENARIOS = ("uniform", "skewed", "empty_experts", "single_destination")
-TOLERANCE = {"torch.float64": 1e-12, "torch.float32": 2e-5, "torch.bfloat16": 0.1}  # bf16: gross errors
+TOLERANCE = {"torch.float64": 1e-12, "torch.float32": 2e-5, "torch.bfloat16": 0.1,  # bf16: gross errors
+             "torch.float32/gemm=torch.bfloat16": 0.15}  # bf16 GEMMs, fp32 elsewhere: measured <= 0.09
 
 
 def _check(report: dict[str, Any], label: str) -> None:

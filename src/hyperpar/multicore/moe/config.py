@@ -6,9 +6,12 @@ import math
 from dataclasses import dataclass
 from numbers import Real
 
+import torch
+
 # Measured with `hyperpar bench moe` on 2 gloo ranks (docs/moe.md): chunking did not pay
 # for its extra collectives on CPU, so the default is one chunk.
 DEFAULT_OVERLAP_CHUNKS = 1
+GEMM_DTYPES = (torch.bfloat16, torch.float16)  # what gemm_dtype may name (None: the input's dtype)
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -44,6 +47,7 @@ class MoeExpertsConfig:
     ep_size: int = 1
     create_parameters: bool = True
     overlap_chunks: int = DEFAULT_OVERLAP_CHUNKS
+    gemm_dtype: torch.dtype | None = None  # opt-in: the expert GEMMs' operand dtype
 
     def __post_init__(self) -> None:
         for name in ("local_num_tokens", "hidden_size", "intermediate_size", "num_experts", "top_k",
@@ -60,6 +64,9 @@ class MoeExpertsConfig:
         if not isinstance(self.create_parameters, bool):
             raise TypeError(f"create_parameters must be a bool, got {type(self.create_parameters).__name__} "
                             f"{self.create_parameters!r}")
+        if self.gemm_dtype is not None and self.gemm_dtype not in GEMM_DTYPES:
+            raise ValueError("gemm_dtype must be None, torch.bfloat16 or torch.float16, "
+                             f"got {self.gemm_dtype!r}")
 
     @property
     def local_experts(self) -> int:
@@ -88,4 +95,4 @@ class MoeExpertsConfig:
         """Every configuration value, rank-independent: compared across ranks at first binding."""
         return ("MoeExperts", self.local_num_tokens, self.hidden_size, self.intermediate_size,
                 self.num_experts, self.top_k, self.expert_capacity_factor, self.swiglu_limit,
-                self.ep_size, self.create_parameters, self.overlap_chunks)
+                self.ep_size, self.create_parameters, self.overlap_chunks, str(self.gemm_dtype))

@@ -43,6 +43,13 @@ class ExpertMath:
     swiglu_limit: float | None
     ep_size: int
     group: dist.ProcessGroup | None
+    # opt-in: GEMM operands in this dtype (accumulated in float32 by the kernels), results back
+    # in the input's dtype; SwiGLU, the sums over routes and everything saved stay in the input's
+    gemm_dtype: torch.dtype | None = None
+
+    def gemm(self, t: Tensor) -> Tensor:
+        """``t`` as a GEMM operand (itself without ``gemm_dtype``: no copy)."""
+        return t if self.gemm_dtype is None else t.to(self.gemm_dtype)
 
 
 @dataclass
@@ -83,9 +90,10 @@ def _exchange(out: Tensor, inp: Tensor, out_splits: list[int], in_splits: list[i
 
 def _experts_forward(rows: Tensor, gate_up: Tensor, down: Tensor, route: ChunkRoute,
                      math: ExpertMath) -> tuple[Tensor, Tensor]:
-    pre = grouped_mm(rows, gate_up, route.expert_counts, route.expert_offsets)
+    """``gate_up`` and ``down`` already as GEMM operands (``math.gemm``)."""
+    pre = grouped_mm(math.gemm(rows), gate_up, route.expert_counts, route.expert_offsets).to(rows.dtype)
     act = swiglu(pre, math.swiglu_limit)
-    return pre, grouped_mm(act, down, route.expert_counts, route.expert_offsets)
+    return pre, grouped_mm(math.gemm(act), down, route.expert_counts, route.expert_offsets).to(rows.dtype)
 
 
 WeightGrads = Callable[[], tuple[Tensor, Tensor]]
@@ -97,25 +105,30 @@ def _experts_backward(rows: Tensor, pre: Tensor, grad: Tensor, gate_up: Tensor, 
     """The rows' gradient now, and (when wanted) the weight gradients as a deferred step:
     the caller runs it while the rows' gradient is on the wire back. The down-projection's
     weight gradient is taken first, so the gradient rows and the recomputed activation are
-    freed before the largest gradient (``gate_up``'s) is allocated."""
+    freed before the largest gradient (``gate_up``'s) is allocated. ``gate_up`` and ``down``
+    are GEMM operands already; results come back in ``grad``'s dtype."""
     counts, offsets = route.expert_counts, route.expert_offsets
-    act_grad = grouped_mm(grad, down.transpose(1, 2), counts, offsets)
+    dtype = grad.dtype
+    grad_operand = math.gemm(grad)  # cast once: two GEMMs read it
+    act_grad = grouped_mm(grad_operand, down.transpose(1, 2), counts, offsets).to(dtype)
     pre_grad, act = swiglu_backward(pre, act_grad, math.swiglu_limit, want_activation=want_weights)
     del act_grad
+    pre_grad = math.gemm(pre_grad)  # only GEMMs read it from here on
     down_grad = None
     if want_weights:
         assert act is not None
-        down_grad = grouped_weight_grad(act, grad, counts, offsets)
+        down_grad = grouped_weight_grad(math.gemm(act), grad_operand, counts, offsets).to(dtype)
         del act
+    del grad_operand
     rows_grad = None
     if want_rows:
-        rows_grad = grouped_mm(pre_grad, gate_up.transpose(1, 2), counts, offsets)
+        rows_grad = grouped_mm(pre_grad, gate_up.transpose(1, 2), counts, offsets).to(dtype)
     if down_grad is None:
         return rows_grad, None
     done_down = down_grad
 
     def weight_grads() -> tuple[Tensor, Tensor]:
-        return grouped_weight_grad(rows, pre_grad, counts, offsets), done_down
+        return grouped_weight_grad(math.gemm(rows), pre_grad, counts, offsets).to(dtype), done_down
     return rows_grad, weight_grads
 
 
@@ -260,9 +273,10 @@ def _forward(call: MoeCall, hidden: Tensor, topk_ids: Tensor, topk_weights: Tens
     keep = plan.backward_dispatch  # some EP rank runs the expert-side backward
     saved_rows: list[Tensor] = []
     saved_pre: list[Tensor] = []
+    gemm_gate_up, gemm_down = math.gemm(gate_up), math.gemm(down)  # cast once per call
 
     def compute(c: int, route: ChunkRoute, rows: Tensor) -> Tensor:
-        pre, out = _experts_forward(rows, gate_up, down, route, math)
+        pre, out = _experts_forward(rows, gemm_gate_up, gemm_down, route, math)
         if keep:
             saved_rows.append(rows)
             saved_pre.append(pre)
@@ -318,11 +332,13 @@ def _backward(call: MoeCall, grad_output: Tensor, topk_weights: Tensor, gate_up:
         route_weights = topk_weights.to(grad.dtype).reshape(tokens * top_k)
         weight_grads: list[Tensor | None] = [None, None]
         deferred: list[WeightGrads | None] = [None]
+        gemm_gate_up, gemm_down = math.gemm(gate_up), math.gemm(down)  # cast once per call
 
         def compute(c: int, route: ChunkRoute, rows: Tensor) -> Tensor | None:
             piece = slice(route.saved_begin, route.saved_begin + route.recv_rows)
-            out, deferred[0] = _experts_backward(saved_rows[piece], saved_pre[piece], rows, gate_up, down,
-                                                 route, math, want_expert_weights, plan.backward_combine)
+            out, deferred[0] = _experts_backward(saved_rows[piece], saved_pre[piece], rows, gemm_gate_up,
+                                                 gemm_down, route, math, want_expert_weights,
+                                                 plan.backward_combine)
             return out
 
         def expert_weight_grads(c: int) -> None:

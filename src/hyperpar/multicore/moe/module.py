@@ -71,13 +71,13 @@ class MoeExperts(MulticoreModule):
         self, *, local_num_tokens: int, hidden_size: int, intermediate_size: int, num_experts: int,
         top_k: int, expert_capacity_factor: float | None = None, swiglu_limit: float | None = None,
         ep_size: int = 1, ep_group: Any = None, create_parameters: bool = True,
-        overlap_chunks: int = DEFAULT_OVERLAP_CHUNKS,
+        overlap_chunks: int = DEFAULT_OVERLAP_CHUNKS, gemm_dtype: torch.dtype | None = None,
     ) -> None:
         config = MoeExpertsConfig(
             local_num_tokens=local_num_tokens, hidden_size=hidden_size,
             intermediate_size=intermediate_size, num_experts=num_experts, top_k=top_k,
             expert_capacity_factor=expert_capacity_factor, swiglu_limit=swiglu_limit, ep_size=ep_size,
-            create_parameters=create_parameters, overlap_chunks=overlap_chunks)
+            create_parameters=create_parameters, overlap_chunks=overlap_chunks, gemm_dtype=gemm_dtype)
         group, ep_rank = _resolve_group(ep_size, ep_group)
         ranks = tuple(group_ranks(group)) if ep_size > 1 else (-1,)
         super().__init__(
@@ -93,7 +93,7 @@ class MoeExperts(MulticoreModule):
             ep_rank=ep_rank, group=group, chunks=overlap_chunks, capacity_rows=config.capacity_rows,
             capacity_description=config.capacity_description())
         self._math: ExpertMath | None = ExpertMath(swiglu_limit=config.swiglu_limit, ep_size=ep_size,
-                                                   group=group)
+                                                   group=group, gemm_dtype=gemm_dtype)
         self._config_agreed = ep_size == 1
         if create_parameters:
             local = config.local_experts
@@ -261,4 +261,5 @@ class MoeExperts(MulticoreModule):
         c = self.config
         return (f"hidden_size={c.hidden_size}, intermediate_size={c.intermediate_size}, "
                 f"num_experts={c.num_experts}, top_k={c.top_k}, ep_size={c.ep_size}, "
-                f"local_experts={list(self.local_expert_ids)}, overlap_chunks={c.overlap_chunks}")
+                f"local_experts={list(self.local_expert_ids)}, overlap_chunks={c.overlap_chunks}"
+                + ("" if c.gemm_dtype is None else f", gemm_dtype={c.gemm_dtype}"))
