@@ -18,9 +18,10 @@ class ComputeLane:
     def __init__(self, durations: np.ndarray) -> None:
         self._d = np.ascontiguousarray(durations, dtype=np.float64)
         self._n = len(self._d)
-        self._starts = np.empty(self._n, dtype=np.float64)
+        self._starts: list[float] = []  # of the ops before the current run
+        self._ends: list[float] = []
         self._base = 0  # first op of the current run (since the last wait)
-        self._sums = [0.0]  # _sums[k]: start of op _base + k, were it not to wait
+        self._sums = [0.0]  # _sums[k]: start of op _base + k, were it not to wait; end of the op before
 
     def _extend(self, k: int) -> list[float]:
         """The current run's sums, through index ``k`` at least."""
@@ -47,17 +48,20 @@ class ComputeLane:
         sums = self._sums
         return sums[k] if k < len(sums) else self._extend(k)[k]
 
+    def _close(self, stop: int) -> None:
+        """Keep the starts and ends of the current run's ops before ``stop``."""
+        k = stop - self._base
+        sums = self._sums if k < len(self._sums) else self._extend(k)
+        self._starts += sums[:k]
+        self._ends += sums[1:k + 1]
+
     def wait(self, i: int, start: float) -> None:
         """Op ``i`` starts at ``start``, later than ``before(i)``: a new run begins."""
-        k = i - self._base
-        sums = self._sums if k <= len(self._sums) else self._extend(k)
-        self._starts[self._base:i] = sums[:k]
+        self._close(i)
         self._base = i
         self._sums = [start]
 
-    def finish(self) -> tuple[np.ndarray, np.ndarray]:
+    def finish(self) -> tuple[list[float], list[float]]:
         """(start, end) of every op."""
-        k = self._n - self._base
-        sums = self._sums if k <= len(self._sums) else self._extend(k)
-        self._starts[self._base:] = sums[:k]
-        return self._starts, self._starts + self._d
+        self._close(self._n)
+        return self._starts, self._ends

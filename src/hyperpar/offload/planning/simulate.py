@@ -172,9 +172,7 @@ def _simulate(trace: ActivationTrace, schedule: ResidencySchedule, arr: TraceArr
         if acts is not None:
             clock = lane.after(i)
             run_actions(acts, i + 1)
-    start_ms, end_ms = lane.finish()
-    starts: list[float] = start_ms.tolist()
-    ends: list[float] = end_ms.tolist()
+    starts, ends = lane.finish()
     clock = ends[-1] if n else 0.0
 
     for first, last, d2h_end, size in spans:
