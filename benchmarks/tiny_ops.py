@@ -17,6 +17,7 @@ import argparse
 import gc
 import json
 import platform
+import sys
 import time
 import tracemalloc
 from pathlib import Path
@@ -49,7 +50,7 @@ def _cpu(fn: Any) -> float:
     return time.process_time() - t0
 
 
-def measure(layers: int, budget_fraction: float, replays: int) -> dict[str, Any]:
+def measure(layers: int, budget_fraction: float, replays: int, skip_replay: bool = False) -> dict[str, Any]:
     torch.set_num_threads(1)
     with OffloadSession(OffloadConfig(max_resident_fraction=budget_fraction)):  # imports done lazily
         _step(*_model(2))
@@ -77,6 +78,11 @@ def measure(layers: int, budget_fraction: float, replays: int) -> dict[str, Any]
     trace = session.trace
     ops = len(trace.ops)
     accesses = sum(len(op.accesses) for op in trace.ops)
+    warmup = warmup_and_plan - planning[0]
+    if skip_replay:  # warmup and planning only: side-by-side planning runs in a minute or two
+        return {"layers": layers, "ops": ops, "accesses": accesses, "budget_fraction": budget_fraction,
+                "plain_cpu_s": plain, "warmup_cpu_s": warmup, "planning_cpu_s": planning[0],
+                "warmup_over_plain": warmup / plain}
     replay = [_cpu(in_session) for _ in range(replays)]
     assert session.last_report is not None and session.last_report.diverged_at is None
 
@@ -91,7 +97,6 @@ def measure(layers: int, budget_fraction: float, replays: int) -> dict[str, Any]
     gc.collect()
     kept = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
-    warmup = warmup_and_plan - planning[0]
     return {
         "layers": layers, "ops": ops, "accesses": accesses, "budget_fraction": budget_fraction,
         "plain_cpu_s": plain, "warmup_cpu_s": warmup, "planning_cpu_s": planning[0],
@@ -107,12 +112,14 @@ def main() -> None:
                         help="layers of about 14 tiny ops each (default 30000)")
     parser.add_argument("--budget-fraction", type=float, default=0.5)
     parser.add_argument("--replays", type=int, default=2)
+    parser.add_argument("--skip-replay", action="store_true",
+                        help="stop after planning: no replay steps, no kept-plan bytes")
     parser.add_argument("--out", type=Path, default=Path("hyperpar-bench/tiny_ops.json"))
     args = parser.parse_args()
-    result = measure(args.layers, args.budget_fraction, args.replays)
+    result = measure(args.layers, args.budget_fraction, args.replays, args.skip_replay)
     result.update(torch=torch.__version__, machine=platform.machine(), python=platform.python_version(),
                   load_average=list(__import__("os").getloadavg()),
-                  command=f"benchmarks/tiny_ops.py --layers {args.layers}")
+                  command=" ".join([".venv/bin/python", "benchmarks/tiny_ops.py", *sys.argv[1:]]))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     for key, value in result.items():

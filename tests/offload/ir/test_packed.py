@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import gc
+from array import array
 
 import torch
 
 from hyperpar.offload import OffloadConfig, OffloadSession
-from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
+from hyperpar.offload.ir import (
+    AccessKind,
+    ActivationTrace,
+    OpGuide,
+    ResidencySchedule,
+    StorageAccess,
+    TraceOp,
+)
 from hyperpar.offload.ir.packed import PackedTrace
 from hyperpar.offload.ir.packed_schedule import PackedSchedule
 from hyperpar.offload.planning import get_planner
@@ -54,3 +62,23 @@ def test_a_synthetic_trace_without_guides_round_trips_and_shares_its_structure()
     del trace, schedule, resized
     gc.collect()
     assert packed.unpack().to_dict() == doc and packed_schedule.unpack().to_dict() == sched_doc
+
+
+def test_columns_of_a_small_trace_are_as_laid_out() -> None:
+    r, w = AccessKind.READ, AccessKind.WRITE
+    ops = [TraceOp("a", 1.5, (StorageAccess(0, 4, w), StorageAccess(0, 2, r))), TraceOp("b", 0.5, ()),
+           TraceOp("c", 2.0, (StorageAccess(2, 4, r),))]
+    meta = (((2, 3), "float32"), None)
+    guides = [OpGuide("a", 3, {2: 9, 0: 4}, meta, (2, -1)), OpGuide("b", 0, {}, (), ()),
+              OpGuide("c", 1, {0: 7}, (((2, 3), "float32"), None), (4,))]
+    trace = ActivationTrace(ops, {4: 10, 2: 20, 9: 1, 7: 2}, guides=guides)
+    packed = PackedTrace(trace)
+    st = packed.structure
+    assert st.names == ("a", "b", "c") and st.guide_names is None
+    assert st.access_start == array("q", [0, 2, 2, 3]) and st.access_sid == array("q", [4, 2, 4])
+    assert st.access_write == bytes([1, 0, 0]) and packed.duration_ms == array("d", [1.5, 0.5, 2.0])
+    assert st.bind_start == array("q", [0, 2, 2, 3]) and st.bind_leaf == array("q", [0, 2, 0])
+    assert st.bind_sid == array("q", [4, 9, 7]) and st.leaf_count == array("q", [3, 0, 1])
+    assert st.input_start == array("q", [0, 2, 2, 3]) and st.input_sid == array("q", [2, -1, 4])
+    assert st.meta_index == array("q", [0, 1, 0]) and st.metas == (meta, ())
+    assert packed.guides() == guides and packed.ops() == ops

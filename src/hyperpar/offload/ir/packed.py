@@ -77,35 +77,58 @@ class TraceStructure:
                 for i in range(n)]
 
 
-def pack_structure(trace: ActivationTrace, like: TraceStructure | None = None) -> TraceStructure:
-    """``like``: a structure to share when this trace's is the same."""
-    ops, guides = trace.ops, trace.guides
+def pack_structure(trace: ActivationTrace, like: TraceStructure | None = None,
+                   durations: array | None = None) -> TraceStructure:
+    """``like``: a structure to share when this trace's is the same; ``durations``: an array to
+    append the ops' durations to on the way. One pass over the ops and one over the guides,
+    with bound appends (the objects lie scattered over memory: a pass per column would fetch
+    them again each time, and an append per access is cheaper than that)."""
+    ops, guides, write = trace.ops, trace.guides, WRITE
+    duration_add = (durations if durations is not None else array("d")).append
     access_start, access_sid, access_write = array("q", [0]), array("q"), bytearray()
+    start_add, sid_add, write_add = access_start.append, access_sid.append, access_write.append
     k = 0
+    names = []
+    name_add = names.append
     for op in ops:
-        for acc in op.accesses:
-            access_sid.append(acc.storage_id)
-            access_write.append(acc.kind is WRITE)
-        k += len(op.accesses)
-        access_start.append(k)
-    names = tuple(op.name for op in ops)
+        name_add(op.name)
+        duration_add(op.duration_ms)
+        accesses = op.accesses
+        for acc in accesses:
+            sid_add(acc.storage_id)
+            write_add(acc.kind is write)
+        k += len(accesses)
+        start_add(k)
     leaf_count, meta_index = array("q"), array("q")
     bind_start, bind_leaf, bind_sid = array("q", [0]), array("q"), array("q")
     input_start, input_sid = array("q", [0]), array("q")
     meta_ids: dict[tuple[LeafMeta, ...], int] = {}
+    count_add, meta_add, add_meta = leaf_count.append, meta_index.append, meta_ids.setdefault
+    bstart_add, leaf_add, bsid_add = bind_start.append, bind_leaf.append, bind_sid.append
+    istart_add, isid_extend = input_start.append, input_sid.extend
+    b = i = 0
+    guide_names = []
+    gname_add = guide_names.append
     for g in guides:
-        leaf_count.append(g.output_leaf_count)
-        for leaf, sid in sorted(g.output_bindings.items()):
-            bind_leaf.append(leaf)
-            bind_sid.append(sid)
-        bind_start.append(len(bind_sid))
-        input_sid.extend(g.input_sids)
-        input_start.append(len(input_sid))
-        meta_index.append(meta_ids.setdefault(g.output_meta, len(meta_ids)))
-    guide_names = tuple(g.name for g in guides)
+        gname_add(g.name)
+        count_add(g.output_leaf_count)
+        bindings = g.output_bindings
+        if bindings:
+            for leaf, sid in sorted(bindings.items()) if len(bindings) > 1 else bindings.items():
+                leaf_add(leaf)
+                bsid_add(sid)
+            b += len(bindings)
+        bstart_add(b)
+        sids = g.input_sids
+        if sids:
+            isid_extend(sids)
+            i += len(sids)
+        istart_add(i)
+        meta_add(add_meta(g.output_meta, len(meta_ids)))
     packed = TraceStructure(
-        names=names, access_start=access_start, access_sid=access_sid, access_write=bytes(access_write),
-        has_guides=bool(guides), guide_names=None if guide_names == names or not guides else guide_names,
+        names=tuple(names), access_start=access_start, access_sid=access_sid,
+        access_write=bytes(access_write), has_guides=bool(guides),
+        guide_names=None if guide_names == names or not guides else tuple(guide_names),
         leaf_count=leaf_count, bind_start=bind_start, bind_leaf=bind_leaf, bind_sid=bind_sid,
         input_start=input_start, input_sid=input_sid, meta_index=meta_index, metas=tuple(meta_ids),
     )
@@ -120,8 +143,8 @@ class PackedTrace:
                  "size_sid", "structure")
 
     def __init__(self, trace: ActivationTrace, like: PackedTrace | None = None) -> None:
-        self.structure = pack_structure(trace, None if like is None else like.structure)
-        self.duration_ms = array("d", [op.duration_ms for op in trace.ops])
+        self.duration_ms = array("d")
+        self.structure = pack_structure(trace, None if like is None else like.structure, self.duration_ms)
         self.size_sid = array("q", trace.storage_sizes.keys())
         self.size_bytes = array("q", trace.storage_sizes.values())
         self.retained_sids = trace.retained_sids

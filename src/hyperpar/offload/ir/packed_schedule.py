@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import weakref
 from array import array
+from dataclasses import fields
 from typing import Any
 
 from hyperpar.offload.ir.schedule import ResidencyAction, ResidencyActionType, ResidencySchedule
@@ -25,15 +26,7 @@ class PackedSchedule:
                  "planner", "predicted_peak_bytes", "sid", "start")
 
     def __init__(self, schedule: ResidencySchedule) -> None:
-        start, kind, sid = array("q", [0]), bytearray(), array("q")
-        code = _CODE
-        for pre, post in zip(schedule.pre, schedule.post, strict=True):
-            for acts in (pre, post):
-                for a in acts:
-                    kind.append(code[a.kind])
-                    sid.append(a.storage_id)
-                start.append(len(sid))
-        self.start, self.kind, self.sid = start, bytes(kind), sid
+        self.start, self.kind, self.sid = packed_actions(schedule)
         self.planner = schedule.planner
         self.budget_bytes = schedule.budget_bytes
         self.predicted_peak_bytes = schedule.predicted_peak_bytes
@@ -50,9 +43,7 @@ class PackedSchedule:
         """The schedule as objects; the same object while someone still holds the last one."""
         schedule = self._unpacked()
         if schedule is None:
-            start, kind, sid = self.start, self.kind, self.sid
-            lists = [[ResidencyAction(KINDS[kind[k]], sid[k]) for k in range(start[j], start[j + 1])]
-                     for j in range(len(start) - 1)]
+            lists = _action_lists(self.start, self.kind, self.sid)
             schedule = ResidencySchedule(
                 pre=lists[0::2], post=lists[1::2], planner=self.planner, budget_bytes=self.budget_bytes,
                 predicted_peak_bytes=self.predicted_peak_bytes, deficit_bytes=self.deficit_bytes,
@@ -60,3 +51,90 @@ class PackedSchedule:
             )
             self._unpacked = weakref.ref(schedule)
         return schedule
+
+
+def _action_lists(start: array, kind: bytes, sid: array) -> list[list[ResidencyAction]]:
+    """The pre and post lists, interleaved, as objects."""
+    acts = list(map(ResidencyAction, map(KINDS.__getitem__, kind), sid))
+    bounds = start.tolist()
+    return list(map(acts.__getitem__, map(slice, bounds[:-1], bounds[1:])))
+
+
+class PackedActionsSchedule(ResidencySchedule):
+    """A ``ResidencySchedule`` made from packed actions, whose per-op lists of action objects are
+    made only when first asked for: planning a 300k-op step never needs them (``simulate`` and
+    ``PackedSchedule`` read the arrays), and making them costs more than the planning they
+    would serve. Once made (or set), the lists are the schedule and the arrays are dropped."""
+
+    def __init__(self, *args: Any, packed: tuple[array, bytes, array] | None = None, **kwargs: Any) -> None:
+        self._packed = packed
+        if packed is None:  # as a plain ResidencySchedule (``dataclasses.replace`` comes here)
+            super().__init__(*args, **kwargs)
+            return
+        self._pre: list[list[ResidencyAction]] = []
+        self._post: list[list[ResidencyAction]] = []
+        fields = {"planner": "", "budget_bytes": 0, "predicted_peak_bytes": 0, "deficit_bytes": 0,
+                  "deficit_op": None, "notes": None, **kwargs}
+        for name, value in fields.items():
+            setattr(self, name, {} if name == "notes" and value is None else value)
+
+    def _lists(self) -> tuple[list[list[ResidencyAction]], list[list[ResidencyAction]]]:
+        if self._packed is not None:
+            lists = _action_lists(*self._packed)
+            self._pre, self._post, self._packed = lists[0::2], lists[1::2], None
+        return self._pre, self._post
+
+    @property  # type: ignore[override]
+    def pre(self) -> list[list[ResidencyAction]]:
+        return self._lists()[0]
+
+    @pre.setter
+    def pre(self, value: list[list[ResidencyAction]]) -> None:
+        if self._packed is not None:
+            self._lists()
+        self._pre = value
+
+    @property  # type: ignore[override]
+    def post(self) -> list[list[ResidencyAction]]:
+        return self._lists()[1]
+
+    @post.setter
+    def post(self, value: list[list[ResidencyAction]]) -> None:
+        if self._packed is not None:
+            self._lists()
+        self._post = value
+
+    @property
+    def num_ops(self) -> int:
+        packed = self._packed
+        return (len(packed[0]) - 1) // 2 if packed is not None else len(self._pre)
+
+    def __eq__(self, other: object) -> bool:  # equal to a plain schedule with the same fields
+        if not isinstance(other, ResidencySchedule):
+            return NotImplemented
+        names = [f.name for f in fields(ResidencySchedule)]
+        return [getattr(self, n) for n in names] == [getattr(other, n) for n in names]
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def packed_actions(schedule: ResidencySchedule) -> tuple[array, bytes, array]:
+    """(start, kind, sid) of ``schedule``'s actions, as ``PackedSchedule`` lays them out: the
+    arrays of a ``PackedActionsSchedule`` whose lists were never made, else packed from them."""
+    if isinstance(schedule, PackedActionsSchedule) and schedule._packed is not None:
+        return schedule._packed
+    start, kinds, sid = array("q", [0]), bytearray(), array("q")
+    code = _CODE
+    for pre, post in zip(schedule.pre, schedule.post, strict=True):
+        for acts in (pre, post):
+            for a in acts:
+                kinds.append(code[a.kind])
+                sid.append(a.storage_id)
+            start.append(len(sid))
+    return start, bytes(kinds), sid
+
+
+def action_count(schedule: ResidencySchedule) -> int:
+    if isinstance(schedule, PackedActionsSchedule) and schedule._packed is not None:
+        return len(schedule._packed[2])
+    return sum(map(len, schedule.pre)) + sum(map(len, schedule.post))

@@ -9,12 +9,14 @@ Each post list holds D2H copies, then releases, then host releases; each kind by
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 import numpy as np
 
-from hyperpar.offload.ir import ActivationTrace, ResidencyAction, ResidencySchedule
+from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
 from hyperpar.offload.ir import ResidencyActionType as Act
+from hyperpar.offload.ir.packed_schedule import KINDS, PackedActionsSchedule
 from hyperpar.offload.planning.arrays import TraceArrays, trace_arrays
 from hyperpar.offload.planning.gaps import Gap
 
@@ -26,47 +28,51 @@ def emit_schedule(
     h2d_ops: Sequence[int] | None = None,
     arrays: TraceArrays | None = None,
 ) -> ResidencySchedule:
-    """``h2d_ops[k]`` is the op whose pre list issues the H2D of ``chosen[k]`` (default: its end)."""
+    """``h2d_ops[k]`` is the op whose pre list issues the H2D of ``chosen[k]`` (default: its end).
+
+    Laid out as packed arrays by one sort (a 300k-op step has an action or more per storage);
+    the schedule makes its action objects only if someone asks for them."""
     arr = arrays if arrays is not None else trace_arrays(trace)
-    d2h: list[tuple[int, int]] = []
-    frees: list[tuple[int, int]] = []
-    h2d: list[tuple[int, int, int]] = []  # (issue op, consumer, sid): earlier consumers first
-    order = sorted(range(len(chosen)), key=lambda k: (chosen[k].sid, chosen[k].start))
-    prev_sid, copied_at = None, None
-    for k in order:
-        gap = chosen[k]
-        if gap.sid != prev_sid:
-            prev_sid, copied_at = gap.sid, None
-        if copied_at != gap.copy_op:
-            d2h.append((gap.copy_op, gap.sid))
-            copied_at = gap.copy_op
-        frees.append((gap.start, gap.sid))
-        h2d.append((gap.end if h2d_ops is None else h2d_ops[k], gap.end, gap.sid))
-    moved = {gap.sid for gap in chosen}
-    last_frees: list[tuple[int, int]] = []
-    host_frees: list[tuple[int, int]] = []
-    retained = trace.retained_sids
-    for sid, last, end in zip(arr.sids.tolist(), arr.last_op.tolist(), arr.end_op.tolist(), strict=True):
-        if sid not in retained:
-            last_frees.append((end, sid))
-        if sid in moved:
-            host_frees.append((last, sid))
-    schedule = ResidencySchedule.empty(trace.num_ops, planner=planner)
-    schedule.budget_bytes = trace.memory_limit_bytes
-    post, pre = schedule.post, schedule.pre
-    for items, kind in (
-        (d2h, Act.COPY_D2H),
-        (frees, Act.RELEASE_DEVICE),
-        (last_frees, Act.RELEASE_DEVICE),
-        (host_frees, Act.RELEASE_HOST),
-    ):
-        items.sort()
-        for op, sid in items:
-            post[op].append(ResidencyAction(kind, sid))
-    h2d.sort()
-    for op, _, sid in h2d:
-        pre[op].append(ResidencyAction(Act.COPY_H2D, sid))
-    return schedule
+    n = trace.num_ops
+    count = len(chosen)
+    sid = np.fromiter((g.sid for g in chosen), dtype=np.int64, count=count)
+    start = np.fromiter((g.start for g in chosen), dtype=np.int64, count=count)
+    end = np.fromiter((g.end for g in chosen), dtype=np.int64, count=count)
+    copy_op = np.fromiter((g.copy_op for g in chosen), dtype=np.int64, count=count)
+    issue = end if h2d_ops is None else np.asarray(h2d_ops, dtype=np.int64).reshape(count)
+    # one D2H per run of a storage's gaps (by start) sharing a copy op: the host copy is current
+    by_sid = np.lexsort((start, sid))
+    s_sid, s_copy = sid[by_sid], copy_op[by_sid]
+    new_copy = np.ones(count, dtype=bool)
+    new_copy[1:] = (s_sid[1:] != s_sid[:-1]) | (s_copy[1:] != s_copy[:-1])
+    keep_last = np.ones(len(arr.sids), dtype=bool)
+    if trace.retained_sids and len(arr.sids):
+        keep_last = ~np.isin(arr.sids, np.fromiter(trace.retained_sids, dtype=np.int64))
+    moved = np.isin(arr.sids, sid)
+    # rows: (list index, key within the list, sid, kind); post lists hold D2H copies, then
+    # releases of gaps, then final releases, then host releases; pre lists H2D by consumer
+    groups = (
+        (2 * s_copy[new_copy] + 1, 0, s_sid[new_copy], Act.COPY_D2H),
+        (2 * start + 1, 1, sid, Act.RELEASE_DEVICE),
+        (2 * arr.end_op[keep_last] + 1, 2, arr.sids[keep_last], Act.RELEASE_DEVICE),
+        (2 * arr.last_op[moved] + 1, 3, arr.sids[moved], Act.RELEASE_HOST),
+        (2 * issue, end, sid, Act.COPY_H2D),
+    )
+    lists = np.concatenate([g[0] for g in groups])
+    key = np.concatenate([np.broadcast_to(np.asarray(g[1], dtype=np.int64), g[0].shape) for g in groups])
+    sids = np.concatenate([g[2] for g in groups])
+    kinds = np.concatenate([np.full(len(g[0]), KINDS.index(g[3]), dtype=np.uint8) for g in groups])
+    order = np.lexsort((sids, key, lists))
+    offsets = array("q", [0])
+    offsets.frombytes(np.cumsum(np.bincount(lists, minlength=2 * n)[:2 * n], dtype=np.int64).tobytes())
+    return PackedActionsSchedule(packed=(offsets, kinds[order].tobytes(), _q(sids[order])), planner=planner,
+                                 budget_bytes=trace.memory_limit_bytes)
+
+
+def _q(values: np.ndarray) -> array:
+    out = array("q")
+    out.frombytes(np.ascontiguousarray(values, dtype=np.int64).tobytes())
+    return out
 
 
 def as_gaps(starts: np.ndarray, ends: np.ndarray, copy_ops: np.ndarray, sids: np.ndarray,

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
+from hyperpar.offload.ir.packed_schedule import action_count
 from hyperpar.offload.planning.arrays import TraceArrays
 from hyperpar.offload.planning.simulate import SimResult, simulate
 
@@ -31,13 +32,9 @@ def kept_simulation(box: dict[int, tuple[ResidencySchedule, int, SimResult]],
                     schedule: ResidencySchedule) -> SimResult | None:
     """The recorded simulation of this very schedule, unless its actions changed since."""
     entry = box.get(id(schedule))
-    if entry is None or entry[0] is not schedule or entry[1] != _action_count(schedule):
+    if entry is None or entry[0] is not schedule or entry[1] != action_count(schedule):
         return None
     return entry[2]
-
-
-def _action_count(schedule: ResidencySchedule) -> int:
-    return sum(map(len, schedule.pre)) + sum(map(len, schedule.post))
 
 
 def attach_prediction(
@@ -47,7 +44,7 @@ def attach_prediction(
     sim = simulate(trace, schedule, arrays)
     box = getattr(_kept, "box", None)
     if box is not None:
-        box[id(schedule)] = (schedule, _action_count(schedule), sim)
+        box[id(schedule)] = (schedule, action_count(schedule), sim)
     budget = trace.memory_limit_bytes
     schedule.budget_bytes = budget
     schedule.predicted_peak_bytes = sim.peak_resident_bytes

@@ -19,20 +19,25 @@ Memory model (activation bytes on the device while op ``k`` runs):
   copied out stays counted until its D2H completes: through every op that starts
   before that.
 
-``simulate`` assumes ``verify`` passed. Cost: linear in ops, accesses and actions,
-plus a binary search per release.
+``simulate`` assumes ``verify`` passed. It reads the schedule's packed actions: storages
+never copied are counted with array operations, and Python visits only the ops that act on,
+or access, a storage that is copied (``ComputeLane`` fills in the others' times).
 """
 
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_left
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from hyperpar.offload.ir import ActivationTrace, ResidencyAction, ResidencySchedule
+from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
 from hyperpar.offload.ir import ResidencyActionType as Act
+from hyperpar.offload.ir.packed_schedule import KINDS, packed_actions
+from hyperpar.offload.ir.sorted_ids import sorted_distinct
 from hyperpar.offload.planning.arrays import TraceArrays, trace_arrays
+from hyperpar.offload.planning.compute_lane import ComputeLane
 from hyperpar.offload.planning.gc_pause import gc_paused
 
 # (start_ms, end_ms, storage id) of one copy on a transfer lane.
@@ -81,50 +86,56 @@ def _simulate(trace: ActivationTrace, schedule: ResidencySchedule, arr: TraceArr
     n = trace.num_ops
     sizes = trace.storage_sizes
     d2h_cost, h2d_cost = ms_per_byte(trace.d2h_bandwidth_gbps), ms_per_byte(trace.h2d_bandwidth_gbps)
+    bounds, kind_bytes, sid_array = packed_actions(schedule)
+    kind, act_sid = _np(kind_bytes, np.uint8), _np(sid_array, np.int64)
+    act_list = np.repeat(np.arange(2 * n, dtype=np.int64), np.diff(_np(bounds, np.int64)))
+    # only storages that are ever copied can make an op wait or outlive a release; the
+    # releases of every other storage are counted below at once, not one by one
+    moved_ids = sorted_distinct(act_sid[(kind == _D2H) | (kind == _H2D)])
+    on_moved = np.isin(act_sid, moved_ids)
+    delta = np.zeros(n + 1, dtype=np.int64)
+    _count_unmoved(arr, act_list, act_sid, (kind == _RELEASE) & ~on_moved, moved_ids, delta)
     arrive: dict[int, float] = {}  # sid -> end of its latest H2D
     left: dict[int, float] = {}  # sid -> end of its latest D2H
-    # sid -> first op its current device allocation counts at (the first access allocates)
-    open_from: dict[int, int] = dict(zip(arr.sids.tolist(), arr.first_op.tolist(), strict=True))
+    # moved sid -> first op its current device allocation counts at (the first access allocates)
+    dense_moved = np.isin(arr.sids, moved_ids)
+    open_from: dict[int, int] = dict(zip(arr.sids[dense_moved].tolist(), arr.first_op[dense_moved].tolist(),
+                                         strict=True))
     # (first op, last op before any D2H extension, D2H end, size)
     spans: list[tuple[int, int, float, int]] = []
     d2h_lane: list[LaneSpan] = []
     h2d_lane: list[LaneSpan] = []
     d2h_free = h2d_free = 0.0
     bytes_d2h = bytes_h2d = 0
-    pre, post = schedule.pre, schedule.post
-    copy_d2h, copy_h2d, release = Act.COPY_D2H, Act.COPY_H2D, Act.RELEASE_DEVICE
-    # only storages that are ever copied can make an op wait
-    moved = {a.storage_id for acts in (*pre, *post) if acts for a in acts
-             if a.kind is copy_d2h or a.kind is copy_h2d}
+    pre: dict[int, list[tuple[int, int]]] = {}  # op -> its pre actions on moved storages
+    post: dict[int, list[tuple[int, int]]] = {}
+    pick = np.flatnonzero(on_moved & (kind != _RELEASE_HOST))
+    for j, code, sid in zip(act_list[pick].tolist(), kind[pick].tolist(), act_sid[pick].tolist(),
+                            strict=True):
+        (post if j & 1 else pre).setdefault(j >> 1, []).append((code, sid))
     waits_on: dict[int, list[tuple[int, bool]]] = {}
-    if moved:
-        pick = np.flatnonzero(np.isin(arr.access_sid, np.fromiter(moved, dtype=np.int64, count=len(moved))))
+    if len(moved_ids):
+        pick = np.flatnonzero(np.isin(arr.access_sid, moved_ids))
         for op, sid, write in zip(arr.access_op[pick].tolist(), arr.access_sid[pick].tolist(),
                                   arr.access_write[pick].tolist(), strict=True):
             waits_on.setdefault(op, []).append((sid, write))
-    durations = arr.duration_ms.tolist()
-    starts: list[float] = [0.0] * n
-    ends: list[float] = [0.0] * n
+    lane = ComputeLane(arr.duration_ms)
     waits: list[float] = [0.0] * n
     clock = 0.0
+    copy_d2h, copy_h2d = _D2H, _H2D
 
-    def run_actions(actions: list[ResidencyAction], counts_from: int) -> None:
+    def run_actions(actions: list[tuple[int, int]], counts_from: int) -> None:
         """Issue one pre/post list at ``clock``; allocations count from op ``counts_from``."""
         nonlocal d2h_free, h2d_free, bytes_d2h, bytes_h2d
-        for action in actions:
-            kind, sid = action.kind, action.storage_id
-            if kind is release:
-                first = open_from.pop(sid, None)
-                if first is not None:
-                    spans.append((first, counts_from - 1, left.get(sid, 0.0), sizes.get(sid, 0)))
-            elif kind is copy_d2h:
+        for kind, sid in actions:
+            if kind == copy_d2h:
                 size = sizes.get(sid, 0)
                 begin = max(clock, d2h_free, arrive.get(sid, 0.0))
                 d2h_free = begin + size * d2h_cost
                 left[sid] = d2h_free
                 d2h_lane.append((begin, d2h_free, sid))
                 bytes_d2h += size
-            elif kind is copy_h2d:
+            elif kind == copy_h2d:
                 size = sizes.get(sid, 0)
                 begin = max(clock, h2d_free, left.get(sid, 0.0))
                 h2d_free = begin + size * h2d_cost
@@ -132,13 +143,20 @@ def _simulate(trace: ActivationTrace, schedule: ResidencySchedule, arr: TraceArr
                 h2d_lane.append((begin, h2d_free, sid))
                 bytes_h2d += size
                 open_from[sid] = counts_from
+            else:  # a release
+                first = open_from.pop(sid, None)
+                if first is not None:
+                    spans.append((first, counts_from - 1, left.get(sid, 0.0), sizes.get(sid, 0)))
 
-    for i in range(n):  # a plain loop: this is the simulator's hot path (200k ops in < 1 s)
-        if pre[i]:
-            run_actions(pre[i], i)
-        start = clock
+    # only ops that issue actions on moved storages or read them can change the timeline
+    for i in sorted(pre.keys() | post.keys() | waits_on.keys()):
+        clock = lane.before(i)
+        acts = pre.get(i)
+        if acts is not None:
+            run_actions(acts, i)
         deps = waits_on.get(i)
         if deps is not None:
+            start = clock
             for sid, write in deps:
                 t = arrive.get(sid, 0.0)
                 if t > start:
@@ -147,14 +165,16 @@ def _simulate(trace: ActivationTrace, schedule: ResidencySchedule, arr: TraceArr
                     t = left.get(sid, 0.0)
                     if t > start:
                         start = t
-            waits[i] = start - clock
-        starts[i] = start
-        clock = start + durations[i]
-        ends[i] = clock
-        if post[i]:
-            run_actions(post[i], i + 1)
+            if start > clock:
+                lane.wait(i, start)
+                waits[i] = start - clock
+        acts = post.get(i)
+        if acts is not None:
+            clock = lane.after(i)
+            run_actions(acts, i + 1)
+    starts, ends = lane.finish()
+    clock = ends[-1] if n else 0.0
 
-    delta = [0] * (n + 1)
     for first, last, d2h_end, size in spans:
         if d2h_end > 0.0:
             last = max(last, bisect_left(starts, d2h_end) - 1)
@@ -163,10 +183,7 @@ def _simulate(trace: ActivationTrace, schedule: ResidencySchedule, arr: TraceArr
             delta[min(last, n - 1) + 1] -= size
     for sid, first in open_from.items():
         delta[first] += sizes.get(sid, 0)
-    resident, running = [], 0
-    for i in range(n):
-        running += delta[i]
-        resident.append(running)
+    resident: list[int] = np.cumsum(delta[:n]).tolist()
     peak = max(resident, default=0)
     step = max(clock, d2h_free, h2d_free)
     return SimResult(
@@ -184,3 +201,35 @@ def _simulate(trace: ActivationTrace, schedule: ResidencySchedule, arr: TraceArr
         bytes_d2h=bytes_d2h,
         bytes_h2d=bytes_h2d,
     )
+
+
+_D2H, _H2D, _RELEASE, _RELEASE_HOST = (
+    KINDS.index(k) for k in (Act.COPY_D2H, Act.COPY_H2D, Act.RELEASE_DEVICE, Act.RELEASE_HOST))
+
+
+def _np(values: array | bytes, dtype: type) -> np.ndarray:
+    return np.frombuffer(values, dtype=dtype) if len(values) else np.zeros(0, dtype=dtype)
+
+
+def _count_unmoved(arr: TraceArrays, act_list: np.ndarray, act_sid: np.ndarray, release: np.ndarray,
+                   moved_ids: np.ndarray, delta: np.ndarray) -> None:
+    """Add to ``delta`` the bytes of every storage never copied: from its first access to the op
+    before its first release (a pre list of op i counts through op i-1, a post list through i),
+    or to the end of the step when none releases it."""
+    if not len(arr.sids):
+        return
+    n = arr.num_ops
+    sid = act_sid[release]
+    where = np.minimum(np.searchsorted(arr.sids, sid), len(arr.sids) - 1)
+    known = arr.sids[where] == sid
+    counts_to = np.full(len(arr.sids), n + 1, dtype=np.int64)  # n + 1: never released
+    np.minimum.at(counts_to, where[known], (act_list[release][known] + 1) >> 1)
+    unmoved = ~np.isin(arr.sids, moved_ids)
+    first, size = arr.first_op, arr.size
+    released = unmoved & (counts_to <= n)
+    last = counts_to - 1
+    span = released & (last >= first)
+    np.add.at(delta, first[span], size[span])
+    np.add.at(delta, np.minimum(last[span], n - 1) + 1, -size[span])
+    kept = unmoved & ~released
+    np.add.at(delta, first[kept], size[kept])
