@@ -3,7 +3,8 @@
 Each layer is ``x = relu(x * w + b)`` on a 64x16 tensor with 16-element weights (about 14
 ops a layer, forward and backward), so an op does almost no work and the per-op overhead
 of the session is all there is to see. Reports CPU seconds (process time, one torch thread)
-of a plain step, the warmup step, planning (the session's own
+of a plain step, the same step under a do-nothing TorchDispatchMode (the floor any
+dispatch-mode interception pays), the warmup step, planning (the session's own
 ``_plan``: planner, simulation, replay program), and a replay step; and the bytes the kept
 plan holds (trace + schedule + replay program, by ``tracemalloc`` in a separate session so
 tracing does not slow the timed one) per storage access of the trace.
@@ -25,6 +26,7 @@ from typing import Any
 
 import torch
 
+from hyperpar.bench.offload import PassThrough  # the do-nothing dispatch mode
 from hyperpar.offload import OffloadConfig, OffloadSession
 
 
@@ -56,6 +58,12 @@ def measure(layers: int, budget_fraction: float, replays: int, skip_replay: bool
         _step(*_model(2))
     x, ws, bs = _model(layers)
     plain = min(_cpu(lambda: _step(x, ws, bs)) for _ in range(2))
+
+    def intercepted() -> None:
+        with PassThrough():
+            _step(x, ws, bs)
+
+    floor = min(_cpu(intercepted) for _ in range(2))  # what any TorchDispatchMode costs here
     session = OffloadSession(OffloadConfig(max_resident_fraction=budget_fraction))
     planning: list[float] = []
     plan = session._plan
@@ -81,8 +89,8 @@ def measure(layers: int, budget_fraction: float, replays: int, skip_replay: bool
     warmup = warmup_and_plan - planning[0]
     if skip_replay:  # warmup and planning only: side-by-side planning runs in a minute or two
         return {"layers": layers, "ops": ops, "accesses": accesses, "budget_fraction": budget_fraction,
-                "plain_cpu_s": plain, "warmup_cpu_s": warmup, "planning_cpu_s": planning[0],
-                "warmup_over_plain": warmup / plain}
+                "plain_cpu_s": plain, "passthrough_cpu_s": floor, "passthrough_over_plain": floor / plain,
+                "warmup_cpu_s": warmup, "planning_cpu_s": planning[0], "warmup_over_plain": warmup / plain}
     replay = [_cpu(in_session) for _ in range(replays)]
     assert session.last_report is not None and session.last_report.diverged_at is None
 
@@ -99,7 +107,8 @@ def measure(layers: int, budget_fraction: float, replays: int, skip_replay: bool
     tracemalloc.stop()
     return {
         "layers": layers, "ops": ops, "accesses": accesses, "budget_fraction": budget_fraction,
-        "plain_cpu_s": plain, "warmup_cpu_s": warmup, "planning_cpu_s": planning[0],
+        "plain_cpu_s": plain, "passthrough_cpu_s": floor, "passthrough_over_plain": floor / plain,
+        "warmup_cpu_s": warmup, "planning_cpu_s": planning[0],
         "replay_cpu_s": min(replay),
         "warmup_over_plain": warmup / plain, "replay_over_plain": min(replay) / plain,
         "kept_plan_bytes": kept, "kept_plan_bytes_per_access": kept / accesses,

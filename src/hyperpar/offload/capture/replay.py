@@ -35,6 +35,7 @@ from hyperpar.offload.capture.executor_base import (
 )
 from hyperpar.offload.capture.op_args import output_leaves, tensor_inputs, written_tensors
 from hyperpar.offload.capture.replay_program import (
+    BINDS,
     D2H,
     H2D,
     HAS_MOVED,
@@ -201,17 +202,18 @@ class ReplayExecutor(ExecutorBase):
                 return out
             p = self.program
             flags = p.flags[i]
-        lo = p.bind_start[i]
-        new = p.bind_start[i + 1] - lo
-        if new:
-            if new == 1 and leaves is None and not self.relieved and self.first_size >= 0:
+        if flags & BINDS:
+            lo = p.bind_start[i]
+            if (leaves is None and not self.relieved and self.first_size >= 0
+                    and p.bind_start[i + 1] == lo + 1):
                 # the common case: one new storage, nothing else to do for it
                 sid = p.bind_sid[lo]
                 try:
                     st = out.untyped_storage()
+                    key = id(st)
                 except (RuntimeError, NotImplementedError):
                     st = None
-                if st is None or ((other := sid_of.get(id(st))) is not None and ids[other] == id(st)):
+                if st is None or ((other := sid_of.get(key)) is not None and ids[other] == key):
                     self._diverge_after(i, func, args, kwargs, [out], "an output is not a new storage")
                     return out
                 table.bind(sid, st, i)
@@ -222,7 +224,7 @@ class ReplayExecutor(ExecutorBase):
                 return out
         if flags & SCHEDULED:
             self._after(i)
-        elif new:  # else nothing can have grown what the device holds
+        elif flags & BINDS:  # else nothing can have grown what the device holds
             resident = table.live_bytes - m.away_bytes
             if resident > self.peak_bytes:
                 self.peak_bytes, self.peak_op = resident, i

@@ -58,6 +58,7 @@ SCHEDULED = HAS_PRE | HAS_POST | HAS_MOVED | HAS_WRITES
 # the op's schema lets a tensor come in a list or as a keyword argument: replay checks its
 # inputs the general way (``op_args.nested_tensors``)
 NESTED_INPUTS = 16
+BINDS = 32  # the op makes new storages (bind_start says which)
 
 
 @dataclass(frozen=True, eq=False)
@@ -73,7 +74,7 @@ class ReplayProgram:
     bind_start: array  # (leaf, sid) of the new storages, by leaf (ragged)
     bind_leaf: array
     bind_sid: array
-    nested: bytes  # per op: NESTED_INPUTS or 0
+    structure_flags: bytes  # per op: NESTED_INPUTS | BINDS bits (the schedule's bits are added in flags)
     region_accesses: dict[int, dict[int, AccessKind]]  # opaque ops: every sid they touch
     meta: tuple[tuple[LeafCheck, ...], ...]  # one shared tuple per distinct meta
     prefix: array  # prefix[i]: a hash of ops 0..i as replay checks them
@@ -176,7 +177,7 @@ class ReplayProgram:
         per_op_written = np.bincount(acc_op[written], minlength=n)
         flags = ((per_list[0::2] > 0) * HAS_PRE | (per_list[1::2] > 0) * HAS_POST
                  | (per_op_moved > 0) * HAS_MOVED | (per_op_written > 0) * HAS_WRITES
-                 | np.frombuffer(base.nested, dtype=np.uint8))
+                 | np.frombuffer(base.structure_flags, dtype=np.uint8))
         # bytes of the new storages each op makes, at these sizes
         bind_sid = _np(base.bind_sid)
         bind_op = np.repeat(ops, np.diff(_np(base.bind_start)))
@@ -251,7 +252,9 @@ def _structure(trace: ActivationTrace, keys: list[Any], packed: PackedTrace) -> 
     return ReplayProgram(
         keys=tuple(keys), names=st.names, in_start=in_start, in_sid=in_sid,
         bind_start=bind_start, bind_leaf=bind_leaf, bind_sid=bind_sid,
-        nested=bytes(map(nested.__getitem__, keys)), region_accesses=regions,
+        structure_flags=(np.frombuffer(bytes(map(nested.__getitem__, keys)), dtype=np.uint8)
+                         | (np.diff(_np(bind_start)) > 0) * BINDS).astype(np.uint8).tobytes(),
+        region_accesses=regions,
         meta=meta, prefix=prefix, pinned=trace.pinned_sids, num_sids=max(trace.storage_sizes, default=-1) + 1,
         flags=b"", act_start=array("i"), act_code=b"", act_sid=array("q"), moved_start=array("i"),
         moved_sid=array("q"), write_start=array("i"), write_sid=array("q"), planned_resident=array("q"),
