@@ -6,9 +6,9 @@ budget = peak (``--variant replay``, after its warmup and first replay). Counted
 valgrind, the difference between 12 and 2 steps is the cost of 10 steps, whatever the
 import and set-up cost; the difference between depths separates the per-op from the per-step
 part. Only the public API is used, so ``PYTHONPATH=<other checkout>/src`` counts another
-version::
+version. Fix the hash seed: dict layouts otherwise move the count by ~1,500 per op::
 
-    valgrind --tool=callgrind --callgrind-out-file=/dev/null .venv/bin/python \\
+    PYTHONHASHSEED=0 valgrind --tool=callgrind --callgrind-out-file=/dev/null .venv/bin/python \\
         benchmarks/replay_instructions.py --variant replay --layers 8 --steps 12 2>&1 | grep refs
 """
 
