@@ -112,7 +112,8 @@ def _fuzz_failures(out: str) -> None:
 
 
 def _tiny_ops(out: str) -> None:
-    assert "kept_plan_bytes_per_access" in out and "warmup_over_plain" in out
+    for key in ("kept_plan_bytes_per_access", "warmup_over_plain", "passthrough_over_plain"):
+        assert key in out
 
 
 def _help(out: str) -> None:
@@ -160,7 +161,7 @@ KNOWN: dict[str, Run | Skip] = {
         ("--only", "ep1_close_on_rank0_only", "expert_weights_on_one_rank"), _hang_paths),
     ".venv/bin/python benchmarks/fuzz_failures.py --out benchmarks/results/fuzz_failures.json": Run(
         (), _fuzz_failures),
-    ".venv/bin/python benchmarks/tiny_ops.py --layers 21500": Run(
+    ".venv/bin/python benchmarks/tiny_ops.py --layers 21500 --out benchmarks/results/tiny_ops.json": Run(
         ("--layers", "40", "--out", "{tmp}/tiny_ops.json"), _tiny_ops),
     ".venv/bin/python benchmarks/gpu/run.py": Skip(
         "tests/benchmarks/test_gpu_script.py runs it as written at --device cpu --size tiny"),
