@@ -361,7 +361,7 @@ class OffloadSession:
                          if any(p.program is program for p in st.sizes.values()))
         plan = next(p for p in structure.sizes.values() if p.program is program)
         nbytes, size_sid = executor.table.nbytes, plan.packed.size_sid
-        bucket = size_bucket(nbytes[0] if size_sid and (size_sid[0] == 0 or 0 in size_sid) else 0)
+        bucket = size_bucket(nbytes[0] if plan.packed.size_of(0, -1) >= 0 else 0)  # sid 0 as measured
         own = structure.sizes.get(bucket)
         if own is None or sum(map(nbytes.__getitem__, size_sid)) > own.total_bytes * REPLAN_GROWTH:
             sizes = {sid: nbytes[sid] for sid in size_sid}
