@@ -5,9 +5,14 @@ Usage::
 
     results = run_ranks(_body, world_size=2, args=(...,), timeout=60)
 
-``_body(rank, world_size, *args)`` must be a module-level function (spawned processes
+``_body(rank, world_size, *args)`` must be a module-level function (rank processes
 import it). Its return value (picklable) is collected per rank; an exception on any
 rank is re-raised here with that rank's traceback text.
+
+Ranks are forked from a forkserver that has imported torch and hyperpar once (``PRELOAD``),
+not spawned: a spawned rank spends 2-4 s of CPU importing them, which was most of a
+multi-rank test's time on 2 cores. The server imports only, so every rank still starts
+from a fresh state. ``HYPERPAR_TEST_RANKS_SPAWN=1`` goes back to spawn.
 """
 
 from __future__ import annotations
@@ -21,6 +26,18 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
+
+# What every rank imports anyway; the forkserver imports it once for all of them.
+PRELOAD = ["torch", "torch.distributed", "hyperpar.multicore", "hyperpar.multicore.moe", "hyperpar.offload",
+           "hyperpar.models"]
+START_METHOD = "spawn" if os.environ.get("HYPERPAR_TEST_RANKS_SPAWN") == "1" else "forkserver"
+
+
+def _context() -> Any:
+    ctx = mp.get_context(START_METHOD)
+    if START_METHOD == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts (first use)
+    return ctx
 
 
 class RankFailure(AssertionError):
@@ -73,7 +90,7 @@ def run_ranks(
 ) -> dict[int, Any]:
     """Returns {rank: result}. With ``expect_failure`` returns {rank: error text} instead,
     and fails if any rank succeeded or hung."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     # A file store needs no port: a free port picked here could be taken by a parallel run
     # before rank 0 binds it. gloo's own connections use kernel-assigned ports.
