@@ -305,9 +305,27 @@ def _unique_runs() -> list[str]:
             if Path(argv[0]).name == "hyperpar":
                 key = repr(sorted(vars(build_parser().parse_args(argv[1:])).items()))
             else:
-                key = repr(argv)
+                key = repr(_last_value_wins(argv))
             seen.setdefault(key + repr(plan.before), command)
     return sorted(seen.values())
+
+
+def _last_value_wins(argv: list[str]) -> list[str]:
+    """``argv`` with an option given twice (``--size small ... --size tiny``) kept at its last
+    value, as argparse reads it: the fsdp2 example written two ways runs once."""
+    last = {word: i for i, word in enumerate(argv) if word.startswith("--") and "=" not in word}
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        repeated = word.startswith("--") and last.get(word, i) != i
+        takes_value = i + 1 < len(argv) and not argv[i + 1].startswith("-")
+        if repeated and takes_value:
+            i += 2  # an earlier value, overridden later
+            continue
+        out.append(word)
+        i += 1
+    return out
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ and torch.compile runs a model around it."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -124,15 +125,20 @@ def test_two_ranks_bitwise_equal_in_a_session(fraction: float) -> None:
         assert out["moved"] > 0, rank
 
 
+@functools.cache
+def _changing_routing() -> dict[int, dict[str, Any]]:
+    """One 2-rank run, read by the two tests below (it costs a process group each)."""
+    return run_ranks(_session_matches_plain, 2, args=(0.5, False, 3), timeout=90)
+
+
 def test_two_ranks_bitwise_equal_with_changing_routing() -> None:
-    results = run_ranks(_session_matches_plain, 2, args=(0.5, False, 3), timeout=90)
-    for rank, out in results.items():
+    for rank, out in _changing_routing().items():
         assert out["differs"] == [], (rank, out["differs"])
         assert out["moved"] > 0, rank
 
 
 def test_changing_routing_replays_the_plan() -> None:
-    results = run_ranks(_session_matches_plain, 2, args=(0.5, False, 3), timeout=90)
+    results = _changing_routing()
     assert all(out["phases"][1:] == ["replay", "replay"] for out in results.values()), results
 
 
