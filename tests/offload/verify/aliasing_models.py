@@ -104,3 +104,25 @@ class OptionalInput(_Tail):
         a, b = x @ self.w[0], x @ self.w[1]
         h = torch.nn.functional.layer_norm(a, (D,), self.gain, self.bias if x[0, 0] > 0 else None)
         return self.tail(h, b)
+
+
+class OutputDtypeChoice(_Tail):
+    """The same copy makes a float64 activation on one step and a bfloat16 one on the next
+    (``_to_copy``'s dtype argument): the ops and their inputs are the plan's, only an
+    output's dtype tells the steps apart."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = x @ self.w[0], torch.tanh(x @ self.w[1])
+        c = torch.tanh(a * 1.5).to(torch.float64 if x[0, 0] > 0 else torch.bfloat16, copy=True)
+        return self.tail(c.to(torch.float32, copy=True), b)
+
+
+class OutputRankChoice(_Tail):
+    """The same ``view`` gives a flat or a 2-d alias and the copy after it keeps that rank:
+    only the outputs' ranks differ between the steps."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = x @ self.w[0], torch.tanh(x @ self.w[1])
+        shape = (ROWS * D,) if x[0, 0] > 0 else (ROWS, D)
+        c = torch.tanh(a * 1.5).view(shape).clone()
+        return self.tail(c.view(ROWS, D), b)

@@ -5,6 +5,8 @@ alternation so that it replays without divergence once the pattern repeats."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch import nn
@@ -12,6 +14,8 @@ from torch import nn
 from tests.offload.verify.aliasing_models import (
     ListOrderChoice,
     OptionalInput,
+    OutputDtypeChoice,
+    OutputRankChoice,
     ParameterOrActivation,
     ReadChoice,
     RegionWriteChoice,
@@ -21,23 +25,48 @@ from tests.offload.verify.aliasing_models import (
 from tests.offload.verify.lockstep import Lockstep, measured_peak, session_at
 
 FRACTIONS = (0.0, 0.25, 0.5, 0.75)
+REPLAY_LOGGER = "hyperpar.offload.capture.replay"
 STEPS = 10  # a, b, a, b, ...: the last SETTLED steps must replay a learned plan
 SETTLED = 3
 
 
-def check_alternation(model: type[nn.Module], frac: float, planner: str, engine: str) -> None:
+class _Divergences(logging.Handler):
+    """The replay's divergence messages, in order (the session logs each one)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "diverged" in record.getMessage():
+            self.messages.append(record.getMessage())
+
+
+def check_alternation(model: type[nn.Module], frac: float, planner: str, engine: str,
+                      why: str | None = None) -> None:
+    """``why``: words the first divergence must give (which check saw the difference; a
+    later op noticing a consequence instead would hide a check that failed to)."""
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(1)
     peak = measured_peak(model, (choice_input(0, torch.Generator().manual_seed(1)),))
     run = Lockstep(model, session_at(peak * frac, planner=planner, copy_engine=engine))
     where = f"{model.__name__} at {frac:.0%} of {peak} B, {planner}, {engine}"
-    for step in range(STEPS):
-        run.step(choice_input(step, gen), where=where)
+    seen = _Divergences()
+    log = logging.getLogger(REPLAY_LOGGER)
+    log.addHandler(seen)
+    try:
+        for step in range(STEPS):
+            run.step(choice_input(step, gen), where=where)
+    finally:
+        log.removeHandler(seen)
     phases = [(r.phase, r.diverged_at) for r in run.reports]
     # Step 1 is the first to take the other branch and only step 0's plan exists: replaying
     # it must notice that the storages touched are not the planned ones.
     assert phases[1][1] is not None, \
         f"{where}: the step that touched another buffer was not reported as diverged: {phases}"
+    if why is not None:
+        assert seen.messages and why in seen.messages[0], \
+            f"{where}: the first divergence should say {why!r}: {seen.messages[:1]}"
     assert phases[-SETTLED:] == [("replay", None)] * SETTLED, \
         f"{where}: the a/b alternation never settled into replays of learned plans: {phases}"
 
@@ -67,9 +96,20 @@ def test_data_dependent_write_inside_skip_offload(frac: float, engine: str) -> N
 
 @pytest.mark.parametrize("model", [ListOrderChoice, ParameterOrActivation, OptionalInput],
                          ids=lambda m: m.__name__)
-@pytest.mark.parametrize("frac", (0.0, 0.5))
+@pytest.mark.parametrize("frac", (0.0, 0.5, 1.0))
 def test_inputs_that_change_place(model: type[nn.Module], frac: float) -> None:
     """Replay checks positional tensor inputs in one pass and lists the general way; an
     input moved inside a list, a parameter read where the plan read an activation (or the
-    reverse) and an optional tensor that comes and goes are all differences it must see."""
-    check_alternation(model, frac, "greedy", "thread")
+    reverse) and an optional tensor that comes and goes are all differences it must see.
+    At the full peak the plan moves nothing, so every op can take replay's lean path."""
+    check_alternation(model, frac, "greedy", "thread", why="its inputs are other storages")
+
+
+@pytest.mark.parametrize("model", [OutputDtypeChoice, OutputRankChoice], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("frac", (0.0, 1.0))
+def test_outputs_that_change_kind(model: type[nn.Module], frac: float) -> None:
+    """An output of another dtype or rank from the planned op and inputs is a divergence. At
+    the full peak (the plan moves nothing) the ops take replay's lean path, which checks an
+    op's one output against a dtype and a rank column (without that check nothing notices
+    at 1.0: checked)."""
+    check_alternation(model, frac, "greedy", "thread", why="other output dtypes or ranks")

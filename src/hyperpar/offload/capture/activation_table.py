@@ -8,8 +8,9 @@ moves additionally get a ``StorageEntry`` in the residency manager; the rest cos
 list slots.
 
 A storage is looked up by ``id()`` of its Python object (torch keeps one object per live
-storage); a stale id, left by a dead storage whose address was reused, never matches
-because the weak reference must still point at the very object.
+storage). ``sid_of`` holds the ids of bound storages that are alive: the death callback and a
+rebinding take theirs out, so an id found there is that very storage (two live objects never
+share an id), which lets replay check an op's inputs with one lookup each.
 """
 
 from __future__ import annotations
@@ -20,21 +21,26 @@ from typing import Any
 import torch
 
 
+class _StorageRef(weakref.ref):
+    """A weak reference that knows its sid (-1 once the sid is bound to another storage)."""
+
+    __slots__ = ("sid",)
+
+
 class ActivationTable:
-    __slots__ = ("_clock", "_dead_cb", "_ref_sid", "death", "ids", "live_bytes", "nbytes", "pinned",
+    __slots__ = ("_clock", "_dead_cb", "death", "ids", "live_bytes", "nbytes", "pinned",
                  "producer", "refs", "sid_of")
 
     def __init__(self, clock: Any = None) -> None:
         """``clock``: an object whose ``index`` is one past the op running now (the executor)."""
         self._clock = None if clock is None else weakref.ref(clock)
-        self.refs: list[weakref.ref | None] = []
+        self.refs: list[_StorageRef | None] = []
         # id() of each sid's storage while it lives, else 0: an id seen here is that very
         # storage (the death callback clears it, and two live objects never share an id).
         self.ids: list[int] = []
         self.nbytes: list[int] = []
         self.producer: list[int] = []
-        self.sid_of: dict[int, int] = {}  # id(storage) -> sid; checked against refs
-        self._ref_sid: dict[int, int] = {}  # id(weak ref) -> sid, for the death callback
+        self.sid_of: dict[int, int] = {}  # id(storage) -> sid, for live bound storages only
         self.live_bytes = 0  # bytes of bound storages still alive (on the device or not)
         self.pinned: set[int] = set()  # sids that must never leave the device this step
         self.death: dict[int, int] = {}  # sid -> the op during which its storage died
@@ -58,12 +64,15 @@ class ActivationTable:
         return len(self.refs) - 1
 
     def bind(self, sid: int, storage: torch.UntypedStorage, producer: int) -> None:
-        ref = weakref.ref(storage, self._dead_cb)
-        self._ref_sid[id(ref)] = sid
+        ref = _StorageRef(storage, self._dead_cb)
+        ref.sid = sid
         if self.ids[sid]:  # rebound while the old one lives: it is not ours any more
             old = self.refs[sid]
-            if old is not None and self._ref_sid.pop(id(old), None) is not None:
+            if old is not None and old.sid >= 0:
+                old.sid = -1
                 self.live_bytes -= self.nbytes[sid]
+            if self.sid_of.get(self.ids[sid]) == sid:
+                del self.sid_of[self.ids[sid]]
         self.refs[sid] = ref
         key = id(storage)
         self.ids[sid] = key
@@ -94,11 +103,13 @@ class ActivationTable:
         """Sids whose storage is still alive."""
         return [sid for sid, key in enumerate(self.ids) if key]
 
-    def _dead(self, ref: weakref.ref) -> None:
-        sid = self._ref_sid.pop(id(ref), None)
-        if sid is not None:
+    def _dead(self, ref: _StorageRef) -> None:
+        sid = ref.sid
+        if sid >= 0:
             self.live_bytes -= self.nbytes[sid]
             clock = self._clock() if self._clock is not None else None
             self.death[sid] = clock.index - 1 if clock is not None else -1
             if self.refs[sid] is ref:
+                # no live object has this id any more
+                self.sid_of.pop(self.ids[sid], None)
                 self.ids[sid] = 0

@@ -43,6 +43,7 @@ from hyperpar.offload.capture.replay_program import (
     HAS_PRE,
     HAS_WRITES,
     NESTED_INPUTS,
+    NOT_LEAN,
     RELEASE,
     RELEASE_FINAL,
     SCHEDULED,
@@ -121,9 +122,65 @@ class ReplayExecutor(ExecutorBase):
         self.first_size = -1  # bytes of the step's first activation (picks the size's plan)
         self._growth = 0.0  # when > 1: this step's sizes over the plan's; room is made before ops
         self._careful = False  # _growth or relieved: ops take ``_before_careful``
+        self._keys = (*program.keys, None)  # op ``num_ops`` is no op of the plan
+        self._sid_get = self.table.sid_of.get
+        self._slow = True  # every op takes ``_run_op`` (see ``_settle``)
+
+    def _settle(self) -> None:
+        """Whether ops may take the lean path: once the step's size is known (its first
+        activation), while it follows the plan at the plan's sizes, untimed."""
+        self._slow = self.online or self._careful or self.first_size < 0 or self.timer is not None
 
     # --- ops (the hot path) ---------------------------------------------------------
     def run_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The lean path: an op the plan moves nothing around, whose inputs are positional and
+        whose output is one tensor making at most one new storage (most ops), checked with one
+        dict lookup per input and a dtype and a rank column for the output. Anything else, or
+        any doubt, takes ``_run_op`` (or ``_outputs`` once the op ran), which checks again."""
+        i = self.index
+        p = self.program
+        if self._slow or func is not self._keys[i] or (flags := p.flags[i]) & NOT_LEAN:
+            return self._run_op(func, args, kwargs)
+        k = p.in_start[i]  # ``_positional_inputs_match``, inline: the call would cost as much
+        in_sid, sid_get = p.in_sid, self._sid_get
+        try:
+            for a in args:
+                if isinstance(a, Tensor):
+                    if sid_get(id(a.untyped_storage()), NOT_ACTIVATION) != in_sid[k]:
+                        k = -1
+                        break
+                    k += 1
+        except (IndexError, RuntimeError, NotImplementedError):
+            k = -1
+        if k != p.in_start[i + 1]:
+            return self._run_op(func, args, kwargs)
+        self.index = i + 1
+        m = self.manager
+        if m.pending_free:
+            m.reap()
+        out = p.calls[i](*args, **kwargs)
+        if type(out) is not Tensor or out.dtype is not p.out_dtype[i] or out.dim() != p.out_ndim[i]:
+            return self._outputs(i, flags, func, args, kwargs, out)
+        if flags & BINDS:
+            try:
+                st = out.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                return self._outputs(i, flags, func, args, kwargs, out)
+            table = self.table
+            if id(st) in table.sid_of:  # not a new storage: settled there
+                return self._outputs(i, flags, func, args, kwargs, out)
+            sid = p.bind_sid[p.bind_start[i]]
+            table.bind(sid, st, i)
+            if sid in p.moved:
+                m.bind(sid, st, i)
+            resident = table.live_bytes - m.away_bytes  # ``_note_resident``, inline
+            if resident > self.peak_bytes:
+                self.peak_bytes, self.peak_op = resident, i
+                if resident > self._limit:
+                    self._relieve(i)
+        return out
+
+    def _run_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.online:
             return self.online_op(func, args, kwargs)
         i = self.index
@@ -137,29 +194,7 @@ class ReplayExecutor(ExecutorBase):
         # tensors only as positional arguments, one pass over ``args`` sees them all; anything
         # unexpected there (or a list or keyword tensor) is settled by the general check.
         flags = p.flags[i]
-        table = self.table
-        ids, sid_of = table.ids, table.sid_of
-        ok = not flags & NESTED_INPUTS
-        if ok:
-            k = p.in_start[i]
-            in_sid = p.in_sid
-            try:
-                for a in args:
-                    if isinstance(a, Tensor):
-                        sid = in_sid[k]
-                        k += 1
-                        key = id(a.untyped_storage())
-                        if sid >= 0:
-                            if ids[sid] != key:
-                                ok = False
-                                break
-                        elif sid != NOT_ACTIVATION or ((other := sid_of.get(key)) is not None
-                                                       and ids[other] == key):
-                            ok = False
-                            break
-            except (IndexError, RuntimeError, NotImplementedError):  # a storage-less tensor, ...
-                ok = False
-            ok = ok and k == p.in_start[i + 1]
+        ok = not flags & NESTED_INPUTS and self._positional_inputs_match(p, i, args)
         if not ok and not self._inputs_match(tensor_inputs(args, kwargs), p.inputs(i)):  # type: ignore[arg-type]
             if self._switch(i, func, tensor_inputs(args, kwargs), None, None):
                 return self.run_op(func, args, kwargs)
@@ -185,6 +220,30 @@ class ReplayExecutor(ExecutorBase):
             begin = timer.mark()
             out = func(*args, **kwargs)
             self.op_marks.append((p.names[i], begin, timer.mark()))
+        return self._outputs(i, flags, func, args, kwargs, out)
+
+    def _positional_inputs_match(self, p: ReplayProgram, i: int, args: tuple[Any, ...]) -> bool:
+        """Whether each positional tensor argument is the storage the plan expects: one lookup
+        per argument, as ``sid_of`` holds live storages only. A mismatch here may still be the
+        plan's (a storage bound to two sids): ``_inputs_match`` settles it."""
+        k = p.in_start[i]
+        in_sid, sid_get = p.in_sid, self._sid_get
+        try:
+            for a in args:
+                if isinstance(a, Tensor):
+                    if sid_get(id(a.untyped_storage()), NOT_ACTIVATION) != in_sid[k]:
+                        return False
+                    k += 1
+        except (IndexError, RuntimeError, NotImplementedError):  # more inputs, a storage-less tensor, ...
+            return False
+        return k == p.in_start[i + 1]
+
+    def _outputs(self, i: int, flags: int, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 out: Any) -> Any:
+        """After op ``i`` ran: check its outputs, bind its new storages, follow its post list."""
+        p, m = self.program, self.manager
+        table = self.table
+        ids, sid_of = table.ids, table.sid_of
         meta = p.meta[i]
         if type(out) is Tensor:
             leaves = None
@@ -224,12 +283,8 @@ class ReplayExecutor(ExecutorBase):
                 return out
         if flags & SCHEDULED:
             self._after(i)
-        elif flags & BINDS:  # else nothing can have grown what the device holds
-            resident = table.live_bytes - m.away_bytes
-            if resident > self.peak_bytes:
-                self.peak_bytes, self.peak_op = resident, i
-            if resident > self._limit:
-                self._relieve(i)
+        elif flags & BINDS and self._note_resident(i):  # else nothing can have grown what the device holds
+            self._relieve(i)
         return out
 
     def _note_resident(self, i: int) -> bool:
@@ -372,6 +427,7 @@ class ReplayExecutor(ExecutorBase):
         allocate, keeping its inputs (``protected``)."""
         if not self.relieved:
             self.relieved = self._careful = True
+            self._settle()
             logger.info("replay holds %d bytes after op %d, over its limit of %d: evicting beyond "
                         "the plan for the rest of the step",
                         self.table.live_bytes - self.manager.away_bytes, i, self._limit)
@@ -576,7 +632,7 @@ class ReplayExecutor(ExecutorBase):
             logger.warning("%s; the rest of the step keeps the budget online and is traced", msg)
         if self.online:
             return
-        self.online = True
+        self.online = self._slow = True
         self.recording = True
         self.index = i
         self.ops, self.guides, self.keys = p.packed.ops(i), p.packed.guides(i), list(p.keys[:i])
@@ -625,6 +681,7 @@ class ReplayExecutor(ExecutorBase):
         self.moved_sids.update(alt.moved)
         self.program = alt
         self._n = alt.num_ops
+        self._keys = (*alt.keys, None)
         self._limit = _limit(self.budget_bytes, alt.planned_peak)
         self._note_growth()
         if self.relieved:
@@ -635,6 +692,7 @@ class ReplayExecutor(ExecutorBase):
         ratio = self.first_size / planned if self.first_size > 0 and planned else 0.0
         self._growth = ratio if ratio > 1.0 else 0.0
         self._careful = bool(self._growth) or self.relieved
+        self._settle()
 
     def _diverge_after(self, i: int, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                        leaves: list[Any], why: str) -> None:

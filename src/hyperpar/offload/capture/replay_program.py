@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch._ops import OpOverload
 
 from hyperpar.offload.capture.op_args import nested_tensors
 from hyperpar.offload.capture.prefix_hash import prefix_hashes
@@ -59,6 +60,9 @@ SCHEDULED = HAS_PRE | HAS_POST | HAS_MOVED | HAS_WRITES
 # inputs the general way (``op_args.nested_tensors``)
 NESTED_INPUTS = 16
 BINDS = 32  # the op makes new storages (bind_start says which)
+BINDS_OTHER = 64  # ... and not just one, its first output leaf
+# replay's lean path takes an op none of these bits is set for (see ``ReplayExecutor.run_op``)
+NOT_LEAN = NESTED_INPUTS | SCHEDULED | BINDS_OTHER
 
 
 @dataclass(frozen=True, eq=False)
@@ -68,15 +72,19 @@ class ReplayProgram:
 
     # --- the structure (shared by the programs of one structure) ---
     keys: tuple[Any, ...]  # OpOverload (compared by identity) or an opaque region's name
+    calls: tuple[Any, ...]  # what calling each key calls (``OpOverload._op``: one Python frame less)
     names: tuple[str, ...]
     in_start: array  # per tensor input: sid, or NOT_ACTIVATION/NO_STORAGE (ragged; none for opaque ops)
     in_sid: array
     bind_start: array  # (leaf, sid) of the new storages, by leaf (ragged)
     bind_leaf: array
     bind_sid: array
-    structure_flags: bytes  # per op: NESTED_INPUTS | BINDS bits (the schedule's bits are added in flags)
+    structure_flags: bytes  # per op: NESTED_INPUTS, BINDS, BINDS_OTHER (flags adds the schedule's)
     region_accesses: dict[int, dict[int, AccessKind]]  # opaque ops: every sid they touch
     meta: tuple[tuple[LeafCheck, ...], ...]  # one shared tuple per distinct meta
+    # an op whose output is one tensor: its dtype (else None) and rank (replay's lean check)
+    out_dtype: tuple[torch.dtype | None, ...]
+    out_ndim: bytes
     prefix: array  # prefix[i]: a hash of ops 0..i as replay checks them
     pinned: frozenset[int]
     num_sids: int
@@ -236,6 +244,9 @@ def _structure(trace: ActivationTrace, keys: list[Any], packed: PackedTrace) -> 
     st = packed.structure  # build() checked there is a guide per op
     metas = tuple(tuple(None if lm is None else (len(lm[0]), _dtype(lm[1])) for lm in m) for m in st.metas)
     meta = tuple(map(metas.__getitem__, st.meta_index))
+    single = [m[0] if len(m) == 1 and m[0] is not None and m[0][0] < 256 else (0, None) for m in metas]
+    out_ndim = bytes(single[j][0] for j in st.meta_index)
+    out_dtype = tuple(single[j][1] for j in st.meta_index)
     metas_hash = [hash(m) for m in metas]
     regions: dict[int, dict[int, AccessKind]] = {}
     region_hash: dict[int, int] = {}
@@ -247,15 +258,23 @@ def _structure(trace: ActivationTrace, keys: list[Any], packed: PackedTrace) -> 
     in_start, in_sid, bind_start = st.input_start, st.input_sid, st.bind_start
     bind_leaf, bind_sid = st.bind_leaf, st.bind_sid
     nested = {key: NESTED_INPUTS if isinstance(key, str) or nested_tensors(key) else 0 for key in set(keys)}
+    starts = _np(bind_start)
+    binds = np.diff(starts)
+    leaves = _np(bind_leaf)
+    first_leaf = leaves[np.minimum(starts[:-1], len(leaves) - 1)] if len(leaves) else binds
     prefix = prefix_hashes(keys, in_start, in_sid, bind_start, bind_leaf, bind_sid,
                            [metas_hash[j] for j in st.meta_index], region_hash)
     return ReplayProgram(
-        keys=tuple(keys), names=st.names, in_start=in_start, in_sid=in_sid,
+        keys=tuple(keys), calls=tuple(k._op if type(k) is OpOverload else k for k in keys),
+        names=st.names, in_start=in_start, in_sid=in_sid,
         bind_start=bind_start, bind_leaf=bind_leaf, bind_sid=bind_sid,
         structure_flags=(np.frombuffer(bytes(map(nested.__getitem__, keys)), dtype=np.uint8)
-                         | (np.diff(_np(bind_start)) > 0) * BINDS).astype(np.uint8).tobytes(),
+                         | (binds > 0) * BINDS
+                         | ((binds > 1) | ((binds == 1) & (first_leaf != 0))) * BINDS_OTHER
+                         ).astype(np.uint8).tobytes(),
         region_accesses=regions,
-        meta=meta, prefix=prefix, pinned=trace.pinned_sids, num_sids=max(trace.storage_sizes, default=-1) + 1,
+        meta=meta, out_dtype=out_dtype, out_ndim=out_ndim,
+        prefix=prefix, pinned=trace.pinned_sids, num_sids=max(trace.storage_sizes, default=-1) + 1,
         flags=b"", act_start=array("i"), act_code=b"", act_sid=array("q"), moved_start=array("i"),
         moved_sid=array("q"), write_start=array("i"), write_sid=array("q"), planned_resident=array("q"),
         planned_peak=0,
