@@ -24,6 +24,7 @@ _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _UNSUPPORTED_WORDS = ("not supported", "not implemented", "unsupported", "only supports", "only supported")
 _disabled: set[tuple[object, ...]] = set()
 _force_loop = False
+_WEIGHT_GRAD_BLOCKS = 4  # weight_grad_as: a quarter of the narrow gradient at a time
 
 
 def set_grouped_mm_enabled(enabled: bool) -> None:
@@ -97,6 +98,29 @@ def grouped_weight_grad(rows: torch.Tensor, grad: torch.Tensor, counts: list[int
         if count:
             torch.mm(rows[start:start + count].t(), grad[start:start + count], out=out[g])
         start += count
+    return out
+
+
+def weight_grad_as(dtype: torch.dtype, rows: torch.Tensor, grad: torch.Tensor, counts: list[int],
+                   offsets: torch.Tensor) -> torch.Tensor:
+    """``grouped_weight_grad`` returned in ``dtype``. Operands narrower than ``dtype`` (the
+    ``gemm_dtype`` opt-in) are multiplied a block of groups at a time and each block copied
+    into the result, so the narrow result held beside the wide one is a block, not a second
+    gradient (per group the same values as one call and a cast)."""
+    if rows.dtype == dtype:
+        return grouped_weight_grad(rows, grad, counts, offsets)
+    groups = len(counts)
+    out = torch.empty(groups, rows.shape[1], grad.shape[1], dtype=dtype, device=rows.device)
+    block = -(-groups // _WEIGHT_GRAD_BLOCKS)
+    start = 0
+    for first in range(0, groups, block):
+        last = min(groups, first + block)
+        size = sum(counts[first:last])
+        part = grouped_weight_grad(rows[start:start + size], grad[start:start + size], counts[first:last],
+                                   offsets[first:last] - start)
+        out[first:last].copy_(part)
+        del part
+        start += size
     return out
 
 
