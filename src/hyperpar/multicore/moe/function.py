@@ -58,6 +58,32 @@ class ExpertMath:
         return dtype if self.gemm_dtype is None else self.gemm_dtype
 
 
+class GemmWeights:
+    """The expert weights as GEMM operands for one call: each cast (with ``gemm_dtype``, a
+    copy) when a GEMM first needs it, and dropped by ``release`` once the last one has, so
+    the copies are not held longer than the GEMMs that read them."""
+
+    def __init__(self, math: ExpertMath, gate_up: Tensor, down: Tensor) -> None:
+        self._math = math
+        self._weights = {"gate_up": gate_up, "down": down}
+        self._operands: dict[str, Tensor] = {}
+
+    def _get(self, name: str) -> Tensor:
+        operand = self._operands.get(name)
+        if operand is None:
+            operand = self._operands[name] = self._math.gemm(self._weights[name])
+        return operand
+
+    def gate_up(self) -> Tensor:
+        return self._get("gate_up")
+
+    def down(self) -> Tensor:
+        return self._get("down")
+
+    def release(self) -> None:
+        self._operands.clear()
+
+
 @dataclass
 class MoeCall:
     """The per-call state the custom ops cannot take as arguments."""
@@ -77,6 +103,7 @@ _OP_TAGS: dict[str, Any] = ({"tags": (torch.Tag.dynamic_output_shape,)}
                             if "tags" in inspect.signature(torch.library.custom_op).parameters else {})
 
 _CALLS: dict[int, MoeCall] = {}
+_ADD_BLOCK_ROWS = 512  # route_rows: returned rows widened for the route sum this many at a time
 _KEYS = itertools.count(1)
 
 
@@ -94,47 +121,43 @@ def _exchange(out: Tensor, inp: Tensor, out_splits: list[int], in_splits: list[i
     return dist.all_to_all_single(out, inp, out_splits, in_splits, group=math.group, async_op=True)
 
 
-def _experts_forward(rows: Tensor, gate_up: Tensor, down: Tensor, route: ChunkRoute,
+def _experts_forward(rows: Tensor, weights: GemmWeights, route: ChunkRoute,
                      math: ExpertMath, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """(pre-activation, output) in the rows' (wire) dtype; SwiGLU runs in ``dtype``, the
-    input's. ``gate_up`` and ``down`` already as GEMM operands (``math.gemm``)."""
-    pre = grouped_mm(rows, gate_up, route.expert_counts, route.expert_offsets)
+    """(pre-activation, output) in the rows' (wire) dtype; SwiGLU runs in ``dtype``, the input's."""
+    pre = grouped_mm(rows, weights.gate_up(), route.expert_counts, route.expert_offsets)
     act = swiglu(pre.to(dtype), math.swiglu_limit)
-    return pre, grouped_mm(math.gemm(act), down, route.expert_counts, route.expert_offsets)
+    return pre, grouped_mm(math.gemm(act), weights.down(), route.expert_counts, route.expert_offsets)
 
 
 WeightGrads = Callable[[], tuple[Tensor, Tensor]]
 
 
-def _experts_backward(rows: Tensor, pre: Tensor, grad: Tensor, gate_up: Tensor, down: Tensor,
-                      route: ChunkRoute, math: ExpertMath, dtype: torch.dtype, want_weights: bool,
+def _experts_backward(rows: Tensor, pre: Tensor, grad: Tensor, weights: GemmWeights, route: ChunkRoute,
+                      math: ExpertMath, dtype: torch.dtype, want_weights: bool,
                       want_rows: bool) -> tuple[Tensor | None, WeightGrads | None]:
     """The rows' gradient now (in the wire dtype of ``rows``, ``pre`` and ``grad``), and (when
     wanted) the weight gradients (in ``dtype``, the input's) as a deferred step: the caller runs
-    it while the rows' gradient is on the wire back. The down-projection's weight gradient is
-    taken first, so the gradient rows and the recomputed activation are freed before the
-    largest gradient (``gate_up``'s) is allocated. ``gate_up`` and ``down`` are GEMM operands
-    already."""
+    it while the rows' gradient is on the wire back, and after the last piece's GEMMs have
+    released the weight operands. The down-projection's weight gradient is taken first, so the
+    gradient rows and the recomputed activation are freed before the largest gradient
+    (``gate_up``'s) is allocated."""
     counts, offsets = route.expert_counts, route.expert_offsets
-    act_grad = grouped_mm(grad, down.transpose(1, 2), counts, offsets)
+    act_grad = grouped_mm(grad, weights.down().transpose(1, 2), counts, offsets)
     # in the wire dtype from here on: only GEMMs read them
     pre_grad, act = swiglu_backward_as(pre, act_grad, dtype, math.swiglu_limit, want_activation=want_weights)
     del act_grad
-    down_grad = None
-    if want_weights:
-        assert act is not None
-        down_grad = weight_grad_as(dtype, act, grad, counts, offsets)
-        del act
-    del grad
     rows_grad = None
     if want_rows:
-        rows_grad = grouped_mm(pre_grad, gate_up.transpose(1, 2), counts, offsets)
-    if down_grad is None:
+        rows_grad = grouped_mm(pre_grad, weights.gate_up().transpose(1, 2), counts, offsets)
+    if not want_weights:
         return rows_grad, None
-    done_down = down_grad
+    held = [act, grad]
 
     def weight_grads() -> tuple[Tensor, Tensor]:
-        return weight_grad_as(dtype, rows, pre_grad, counts, offsets), done_down
+        down_grad = weight_grad_as(dtype, *held, counts, offsets)
+        held.clear()
+        return weight_grad_as(dtype, rows, pre_grad, counts, offsets), down_grad
+    del act, grad
     return rows_grad, weight_grads
 
 
@@ -186,7 +209,13 @@ def route_rows(
         nonlocal result
         if result is None:
             result = source.new_zeros(plan.num_tokens, hidden)
-        result.index_add_(0, route.source_token, rows.to(result.dtype))
+        if rows.dtype == result.dtype:
+            result.index_add_(0, route.source_token, rows)
+            return
+        # narrower rows (gemm_dtype opt-in) widened a block at a time, added in the same order
+        for start in range(0, rows.shape[0], _ADD_BLOCK_ROWS):
+            block = slice(start, start + _ADD_BLOCK_ROWS)
+            result.index_add_(0, route.source_token[block], rows[block].to(result.dtype))
 
     def summed() -> Tensor:
         return source.new_zeros(plan.num_tokens, hidden) if result is None else result
@@ -287,11 +316,11 @@ def _forward(call: MoeCall, hidden: Tensor, topk_ids: Tensor, topk_weights: Tens
     keep = plan.backward_dispatch  # some EP rank runs the expert-side backward
     saved_rows: list[Tensor] = []
     saved_pre: list[Tensor] = []
-    operands = [math.gemm(gate_up), math.gemm(down)]  # cast once per call
+    weights = GemmWeights(math, gate_up, down)  # cast once per call
     wire = math.wire(hidden.dtype)
 
     def compute(c: int, route: ChunkRoute, rows: Tensor) -> Tensor:
-        pre, out = _experts_forward(rows, *operands, route, math, hidden.dtype)
+        pre, out = _experts_forward(rows, weights, route, math, hidden.dtype)
         if keep:
             saved_rows.append(rows)
             saved_pre.append(pre)
@@ -299,7 +328,7 @@ def _forward(call: MoeCall, hidden: Tensor, topk_ids: Tensor, topk_weights: Tens
 
     expert_out = route_rows(hidden, True, plan, call.workspace, math, compute)
     assert expert_out is not None
-    operands.clear()
+    weights.release()
     output = weighted_sum(expert_out.to(hidden.dtype).view(tokens, top_k, hidden_size), topk_weights)
     like = hidden.new_empty(0, dtype=wire)
     return (output, _joined(saved_rows, like, hidden_size), _joined(saved_pre, like, 2 * down.shape[1]),
@@ -352,17 +381,17 @@ def _backward(call: MoeCall, grad_output: Tensor, topk_weights: Tensor, gate_up:
         deferred: list[WeightGrads | None] = [None]
         # cast once per call, and dropped after the last piece's GEMMs: not held (with the
         # gemm_dtype opt-in, a copy) while the weight gradients are taken
-        operands = [math.gemm(gate_up), math.gemm(down)]
+        weights = GemmWeights(math, gate_up, down)
         pieces_left = [len(plan.chunks)]
 
         def compute(c: int, route: ChunkRoute, rows: Tensor) -> Tensor | None:
             piece = slice(route.saved_begin, route.saved_begin + route.recv_rows)
-            out, deferred[0] = _experts_backward(saved_rows[piece], saved_pre[piece], rows, *operands,
+            out, deferred[0] = _experts_backward(saved_rows[piece], saved_pre[piece], rows, weights,
                                                  route, math, grad.dtype, want_expert_weights,
                                                  plan.backward_combine)
             pieces_left[0] -= 1
             if pieces_left[0] == 0:
-                operands.clear()
+                weights.release()
             return out
 
         def expert_weight_grads(c: int) -> None:

@@ -24,7 +24,7 @@ _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _UNSUPPORTED_WORDS = ("not supported", "not implemented", "unsupported", "only supports", "only supported")
 _disabled: set[tuple[object, ...]] = set()
 _force_loop = False
-_WEIGHT_GRAD_BLOCKS = 4  # weight_grad_as: a quarter of the narrow gradient at a time
+_WEIGHT_GRAD_BLOCKS = 8  # weight_grad_as: an eighth of the narrow gradient at a time
 
 
 def set_grouped_mm_enabled(enabled: bool) -> None:
@@ -104,7 +104,7 @@ def grouped_weight_grad(rows: torch.Tensor, grad: torch.Tensor, counts: list[int
 def weight_grad_as(dtype: torch.dtype, rows: torch.Tensor, grad: torch.Tensor, counts: list[int],
                    offsets: torch.Tensor) -> torch.Tensor:
     """``grouped_weight_grad`` returned in ``dtype``. Operands narrower than ``dtype`` (the
-    ``gemm_dtype`` opt-in) are multiplied a block of groups at a time and each block copied
+    ``gemm_dtype`` opt-in) are multiplied a block of groups (an eighth) at a time and each block copied
     into the result, so the narrow result held beside the wide one is a block, not a second
     gradient (per group the same values as one call and a cast)."""
     if rows.dtype == dtype:

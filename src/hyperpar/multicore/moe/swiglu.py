@@ -48,7 +48,7 @@ def swiglu_backward(pre: torch.Tensor, grad: torch.Tensor, limit: float | None,
 
 
 def swiglu_backward_as(pre: torch.Tensor, grad: torch.Tensor, dtype: torch.dtype, limit: float | None,
-                       want_activation: bool = False, block_rows: int = 256,
+                       want_activation: bool = False, block_rows: int = 128,
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``swiglu_backward`` computed in ``dtype`` for ``pre`` and ``grad`` held in a narrower one
     (the ``gemm_dtype`` opt-in), results back in theirs. Row blocks at a time, so the wide
