@@ -24,7 +24,6 @@ _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _UNSUPPORTED_WORDS = ("not supported", "not implemented", "unsupported", "only supports", "only supported")
 _disabled: set[tuple[object, ...]] = set()
 _force_loop = False
-_WEIGHT_GRAD_BLOCKS = 8  # weight_grad_as: an eighth of the narrow gradient at a time
 
 
 def set_grouped_mm_enabled(enabled: bool) -> None:
@@ -102,26 +101,37 @@ def grouped_weight_grad(rows: torch.Tensor, grad: torch.Tensor, counts: list[int
 
 
 def weight_grad_as(dtype: torch.dtype, rows: torch.Tensor, grad: torch.Tensor, counts: list[int],
-                   offsets: torch.Tensor) -> torch.Tensor:
+                   offsets: torch.Tensor, blocks: int = 16) -> torch.Tensor:
     """``grouped_weight_grad`` returned in ``dtype``. Operands narrower than ``dtype`` (the
-    ``gemm_dtype`` opt-in) are multiplied a block of groups (an eighth) at a time and each block copied
-    into the result, so the narrow result held beside the wide one is a block, not a second
-    gradient (per group the same values as one call and a cast)."""
+    ``gemm_dtype`` opt-in) are multiplied a block at a time (about ``1 / blocks`` of it: a few
+    groups, or one group's column slice when there are fewer groups than blocks) and each
+    block copied into the result, so the narrow result held beside the wide one is a block,
+    not a second gradient. More blocks hold less and cost more calls."""
     if rows.dtype == dtype:
         return grouped_weight_grad(rows, grad, counts, offsets)
-    groups = len(counts)
-    out = torch.empty(groups, rows.shape[1], grad.shape[1], dtype=dtype, device=rows.device)
-    block = -(-groups // _WEIGHT_GRAD_BLOCKS)
+    groups, width = len(counts), grad.shape[1]
+    out = torch.empty(groups, rows.shape[1], width, dtype=dtype, device=rows.device)
+    block = -(-groups // blocks)
+    columns = _column_slices(width, -(-blocks // groups), grad.element_size())
     start = 0
     for first in range(0, groups, block):
         last = min(groups, first + block)
         size = sum(counts[first:last])
-        part = grouped_weight_grad(rows[start:start + size], grad[start:start + size], counts[first:last],
-                                   offsets[first:last] - start)
-        out[first:last].copy_(part)
-        del part
+        part_offsets = offsets[first:last] - start
+        for cols in columns:
+            part = grouped_weight_grad(rows[start:start + size], grad[start:start + size, cols],
+                                       counts[first:last], part_offsets)
+            out[first:last, :, cols].copy_(part)
+            del part
         start += size
     return out
+
+
+def _column_slices(width: int, parts: int, itemsize: int) -> list[slice]:
+    """``width`` columns in up to ``parts`` slices whose starts stay 16-byte aligned."""
+    step = 16 // itemsize
+    size = max(step, -(-width // parts // step) * step)
+    return [slice(begin, min(width, begin + size)) for begin in range(0, width, size)]
 
 
 def group_offsets(counts: list[int], device: torch.device) -> torch.Tensor:
