@@ -8,7 +8,10 @@ layers start from the same weights and routing; their fwd+bwd steps (hidden stat
 routing weights trainable, gradients set to None first) alternate in rotating order, so
 load swings hit every tree alike. Reported: per tree the median step CPU time
 (``time.process_time``, gloo's threads included) of the slowest rank, its ratio to the
-first tree, and the largest difference of output and gradients from the first tree.
+first tree, the largest difference of output and gradients from the first tree, and each
+tree's memory as ``hyperpar bench moe`` counts it (peak CPU-allocator rise in one step plus
+the workspace kept between steps). The ``float32+bf16gemm`` cells are float32 layers with
+the ``gemm_dtype=torch.bfloat16`` opt-in.
 
     .venv/bin/python benchmarks/moe_before_after.py --src main=/path/to/main/src --src new=src
 """
@@ -33,7 +36,7 @@ SIZES = {
     "fine_grained": dict(tokens=512, hidden=512, inter=256, experts=32, top_k=4),
     "coarse": dict(tokens=512, hidden=512, inter=512, experts=8, top_k=2),
 }
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16", "float32+bf16gemm")
 WARMUP = 2
 
 
@@ -50,13 +53,16 @@ def _cell(names: list[str], packages: list[str], size: dict[str, int], dtype: An
     import torch
     import torch.distributed as dist
 
+    dtype, _, gemm = dtype.partition("+")
+    dtype = getattr(torch, dtype)
+    opt_in = {"gemm_dtype": torch.bfloat16} if gemm == "bf16gemm" else {}
     layers = {}
     for name, package in zip(names, packages, strict=True):
         torch.manual_seed(0)
         cls = importlib.import_module(f"{package}.multicore.moe").MoeExperts
         layers[name] = cls(local_num_tokens=size["tokens"], hidden_size=size["hidden"],
                            intermediate_size=size["inter"], num_experts=size["experts"],
-                           top_k=size["top_k"], ep_size=2).to(dtype)
+                           top_k=size["top_k"], ep_size=2, **opt_in).to(dtype)
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(size["tokens"], size["hidden"], generator=gen).to(dtype).requires_grad_()
     probs = torch.softmax(torch.randn(size["tokens"], size["experts"], generator=gen), -1)
@@ -83,9 +89,31 @@ def _cell(names: list[str], packages: list[str], size: dict[str, int], dtype: An
             step(name)
             if i >= WARMUP:
                 times[name].append((time.process_time() - start) * 1e3)
+    memory = {}
+    for name in names:
+        for t in (x, weights, *layers[name].parameters()):
+            t.grad = None  # outside the window: freeing the last step's gradients is no rise
+        dist.barrier()
+        memory[name] = {"rise_bytes": _peak_rise(lambda n=name: step(n)),
+                        "persistent_bytes": layers[name].workspace_bytes}
     for layer in layers.values():
         layer.close()
-    return {"cpu_ms": {n: statistics.median(t) for n, t in times.items()}, "max_abs_diff_vs_first": diffs}
+    return {"cpu_ms": {n: statistics.median(t) for n, t in times.items()}, "max_abs_diff_vs_first": diffs,
+            "memory": memory}
+
+
+def _peak_rise(run: Any) -> int:
+    """Peak bytes the CPU allocator held above the start of ``run()`` (as hyperpar bench moe)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    level = peak = 0
+    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                            if e.name() == "[memory]"):
+        level += nbytes
+        peak = max(peak, level)
+    return peak
 
 
 def _rank(rank: int, port: int, root: str, names: list[str], steps: int, queue: Any) -> None:
@@ -100,7 +128,7 @@ def _rank(rank: int, port: int, root: str, names: list[str], steps: int, queue: 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
     packages = [f"hyperpar_ab{i}" for i in range(len(names))]
-    result = {f"{shape}/{d}": _cell(names, packages, size, getattr(torch, d), rank, steps)
+    result = {f"{shape}/{d}": _cell(names, packages, size, d, rank, steps)
               for shape, size in SIZES.items() for d in DTYPES}
     queue.put((rank, result))
     dist.destroy_process_group()
@@ -134,15 +162,21 @@ def main() -> None:
             p.join()
     loads.append(os.getloadavg()[0])
     summary: dict[str, Any] = {}
-    print("cell                  " + "".join(f"{n:>12s}" for n in names) + "   ratios to " + names[0])
+    print(f"{'cell':30s}" + "".join(f"{n:>12s}" for n in names) + "   ratios to " + names[0]
+          + "   memory rise+kept")
     for cell in results[0]:
         ms = {n: max(results[r][cell]["cpu_ms"][n] for r in results) for n in names}
         diffs = {n: max(results[r][cell]["max_abs_diff_vs_first"][n] for r in results) for n in names[1:]}
         ratios = {n: ms[n] / ms[names[0]] for n in names[1:]}
-        summary[cell] = {"cpu_ms_slowest_rank": ms, "over_first": ratios, "max_abs_diff_vs_first": diffs}
-        print(f"{cell:22s}" + "".join(f"{ms[n]:12.1f}" for n in names)
+        memory = {n: {k: max(results[r][cell]["memory"][n][k] for r in results)
+                      for k in ("rise_bytes", "persistent_bytes")} for n in names}
+        summary[cell] = {"cpu_ms_slowest_rank": ms, "over_first": ratios, "max_abs_diff_vs_first": diffs,
+                         "memory_max_over_ranks": memory}
+        print(f"{cell:30s}" + "".join(f"{ms[n]:12.1f}" for n in names)
               + "   " + " ".join(f"{n} {r:.3f}" for n, r in ratios.items())
-              + "   max diff " + " ".join(f"{d:.1e}" for d in diffs.values()))
+              + "   max diff " + " ".join(f"{d:.1e}" for d in diffs.values())
+              + "   MiB " + " / ".join(f"{m['rise_bytes'] / 2**20:.1f}+{m['persistent_bytes'] / 2**20:.1f}"
+                                       for m in memory.values()))
     print(f"load average (1 min) before and after: {[round(x, 1) for x in loads]}")
     if args.out is not None:
         args.out.write_text(json.dumps({

@@ -43,3 +43,43 @@ def test_gemm_dtype_is_validated(bad: Any) -> None:
     with pytest.raises(ValueError, match=r"gemm_dtype must be None, torch\.bfloat16 or torch\.float16"):
         MoeExperts(local_num_tokens=4, hidden_size=8, intermediate_size=8, num_experts=2, top_k=1,
                    gemm_dtype=bad)
+
+
+def _saved_and_kept(rank: int, world: int) -> dict[str, Any]:
+    """Per layer: dtypes of what autograd saved (through saved_tensors_hooks) and the
+    workspace bytes kept, for the same weights and routing."""
+    torch.manual_seed(0)
+    args = dict(local_num_tokens=32, hidden_size=16, intermediate_size=8, num_experts=4, top_k=2,
+                ep_size=world)
+    strict = MoeExperts(**args)
+    opt_in = MoeExperts(**args, gemm_dtype=BF16)
+    opt_in.load_state_dict(strict.state_dict())
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(32, 16, generator=gen, requires_grad=True)
+    weights, ids = torch.softmax(torch.randn(32, 4, generator=gen), -1).topk(2, -1)
+    weights.requires_grad_()
+    out: dict[str, Any] = {}
+    for name, layer in (("strict", strict), ("opt_in", opt_in)):
+        saved: list[str] = []
+
+        def pack(t: torch.Tensor, into: list[str] = saved) -> torch.Tensor:
+            into.append(str(t.dtype))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = layer(x, ids, weights)
+        y.square().sum().backward()
+        out[name] = {"saved": saved, "kept": layer.workspace_bytes, "out_dtype": str(y.dtype)}
+        layer.close()
+    return out
+
+
+def test_opt_in_saves_and_sends_rows_in_the_gemm_dtype() -> None:
+    """The opt-in's rows, pre-activations and per-route outputs are bf16 values anyway: they are
+    saved as bf16 (visible to saved_tensors_hooks) and travel in a bf16 workspace half the size."""
+    for rank, out in run_ranks(_saved_and_kept, 2, timeout=90).items():
+        strict, opt_in = out["strict"], out["opt_in"]
+        assert opt_in["out_dtype"] == "torch.float32", rank
+        assert opt_in["saved"].count("torch.bfloat16") == 3, (rank, opt_in)  # rows, pre, per-route
+        assert "torch.bfloat16" not in strict["saved"] and len(strict["saved"]) == len(opt_in["saved"]), out
+        assert 0 < opt_in["kept"] and opt_in["kept"] * 2 == strict["kept"], (rank, out)

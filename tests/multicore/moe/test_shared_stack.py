@@ -69,6 +69,7 @@ def test_shared_stack_equals_independent_layers() -> None:
         assert out["losses_equal"] and out["params_equal"], f"rank {rank}: {out}"
         assert out["loss_moved"] and out["finite"], f"rank {rank}: training did nothing useful: {out}"
         assert out["independent_workspaces"] == LAYERS and out["shared_workspaces"] == 1
-        one_layer = out["independent_bytes"][0]
-        assert one_layer == (T * K + 2 * T * K) * H * 4  # send rows + lossless receive rows, float32
-        assert out["shared_bytes"] == [one_layer] * LAYERS, out
+        # send rows + the most rows a call received (at most the lossless 2 * T * K), float32
+        largest = max(out["independent_bytes"])
+        assert T * K * H * 4 < min(out["independent_bytes"]) and largest <= (T * K + 2 * T * K) * H * 4, out
+        assert out["shared_bytes"] == [largest] * LAYERS, out  # one workspace, grown to the largest call

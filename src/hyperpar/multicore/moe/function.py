@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 
 from .combine import route_dots, weighted_sum
-from .grouped_gemm import grouped_mm, grouped_weight_grad
+from .grouped_gemm import grouped_mm, weight_grad_as
 from .routing import ChunkRoute, GradNeeds, RoutePlan, RoutingSetup, build_route_plan
-from .swiglu import swiglu, swiglu_backward
+from .swiglu import swiglu, swiglu_backward_as
 from .workspace import MoeWorkspace
 
 Tensor = torch.Tensor
@@ -43,13 +43,45 @@ class ExpertMath:
     swiglu_limit: float | None
     ep_size: int
     group: dist.ProcessGroup | None
-    # opt-in: GEMM operands in this dtype (accumulated in float32 by the kernels), results back
-    # in the input's dtype; SwiGLU, the sums over routes and everything saved stay in the input's
+    # opt-in: GEMM operands in this dtype (accumulated in float32 by the kernels); SwiGLU, the
+    # sums over routes, outputs and gradients in the input's. What is a GEMM operand or result
+    # anyway (the rows on the wire, the saved rows, pre-activations and per-route outputs) is
+    # kept in this dtype: the same values the input's dtype would hold, in fewer bytes.
     gemm_dtype: torch.dtype | None = None
 
     def gemm(self, t: Tensor) -> Tensor:
         """``t`` as a GEMM operand (itself without ``gemm_dtype``: no copy)."""
         return t if self.gemm_dtype is None else t.to(self.gemm_dtype)
+
+    def wire(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype rows travel and are saved in for inputs of ``dtype``."""
+        return dtype if self.gemm_dtype is None else self.gemm_dtype
+
+
+class GemmWeights:
+    """The expert weights as GEMM operands for one call: each cast (with ``gemm_dtype``, a
+    copy) when a GEMM first needs it, and dropped by ``release`` once the last one has, so
+    the copies are not held longer than the GEMMs that read them."""
+
+    def __init__(self, math: ExpertMath, gate_up: Tensor, down: Tensor) -> None:
+        self._math = math
+        self._weights = {"gate_up": gate_up, "down": down}
+        self._operands: dict[str, Tensor] = {}
+
+    def _get(self, name: str) -> Tensor:
+        operand = self._operands.get(name)
+        if operand is None:
+            operand = self._operands[name] = self._math.gemm(self._weights[name])
+        return operand
+
+    def gate_up(self) -> Tensor:
+        return self._get("gate_up")
+
+    def down(self) -> Tensor:
+        return self._get("down")
+
+    def release(self) -> None:
+        self._operands.clear()
 
 
 @dataclass
@@ -71,6 +103,7 @@ _OP_TAGS: dict[str, Any] = ({"tags": (torch.Tag.dynamic_output_shape,)}
                             if "tags" in inspect.signature(torch.library.custom_op).parameters else {})
 
 _CALLS: dict[int, MoeCall] = {}
+_ADD_BLOCK_ROWS = 512  # route_rows: returned rows widened for the route sum this many at a time
 _KEYS = itertools.count(1)
 
 
@@ -88,47 +121,46 @@ def _exchange(out: Tensor, inp: Tensor, out_splits: list[int], in_splits: list[i
     return dist.all_to_all_single(out, inp, out_splits, in_splits, group=math.group, async_op=True)
 
 
-def _experts_forward(rows: Tensor, gate_up: Tensor, down: Tensor, route: ChunkRoute,
-                     math: ExpertMath) -> tuple[Tensor, Tensor]:
-    """``gate_up`` and ``down`` already as GEMM operands (``math.gemm``)."""
-    pre = grouped_mm(math.gemm(rows), gate_up, route.expert_counts, route.expert_offsets).to(rows.dtype)
-    act = swiglu(pre, math.swiglu_limit)
-    return pre, grouped_mm(math.gemm(act), down, route.expert_counts, route.expert_offsets).to(rows.dtype)
+def _experts_forward(rows: Tensor, weights: GemmWeights, route: ChunkRoute,
+                     math: ExpertMath, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(pre-activation, output) in the rows' (wire) dtype; SwiGLU runs in ``dtype``, the input's."""
+    pre = grouped_mm(rows, weights.gate_up(), route.expert_counts, route.expert_offsets)
+    act = swiglu(pre.to(dtype), math.swiglu_limit)
+    return pre, grouped_mm(math.gemm(act), weights.down(), route.expert_counts, route.expert_offsets)
 
 
 WeightGrads = Callable[[], tuple[Tensor, Tensor]]
 
 
-def _experts_backward(rows: Tensor, pre: Tensor, grad: Tensor, gate_up: Tensor, down: Tensor,
-                      route: ChunkRoute, math: ExpertMath, want_weights: bool, want_rows: bool,
-                      ) -> tuple[Tensor | None, WeightGrads | None]:
-    """The rows' gradient now, and (when wanted) the weight gradients as a deferred step:
-    the caller runs it while the rows' gradient is on the wire back. The down-projection's
-    weight gradient is taken first, so the gradient rows and the recomputed activation are
-    freed before the largest gradient (``gate_up``'s) is allocated. ``gate_up`` and ``down``
-    are GEMM operands already; results come back in ``grad``'s dtype."""
+def _experts_backward(rows: Tensor, pre: Tensor, grad: Tensor, weights: GemmWeights, route: ChunkRoute,
+                      math: ExpertMath, dtype: torch.dtype, want_weights: bool,
+                      want_rows: bool) -> tuple[Tensor | None, WeightGrads | None]:
+    """The rows' gradient now (in the wire dtype of ``rows``, ``pre`` and ``grad``), and (when
+    wanted) the weight gradients (in ``dtype``, the input's) as a deferred step: the caller runs
+    it while the rows' gradient is on the wire back, and after the last piece's GEMMs have
+    released the weight operands. The down-projection's weight gradient is taken first, so the
+    gradient rows and the recomputed activation are freed before the largest gradient
+    (``gate_up``'s) is allocated."""
     counts, offsets = route.expert_counts, route.expert_offsets
-    dtype = grad.dtype
-    grad_operand = math.gemm(grad)  # cast once: two GEMMs read it
-    act_grad = grouped_mm(grad_operand, down.transpose(1, 2), counts, offsets).to(dtype)
-    pre_grad, act = swiglu_backward(pre, act_grad, math.swiglu_limit, want_activation=want_weights)
+    act_grad = grouped_mm(grad, weights.down().transpose(1, 2), counts, offsets)
+    # in the wire dtype from here on: only GEMMs read them
+    pre_grad, act = swiglu_backward_as(pre, act_grad, dtype, math.swiglu_limit, want_activation=want_weights)
     del act_grad
-    pre_grad = math.gemm(pre_grad)  # only GEMMs read it from here on
-    down_grad = None
-    if want_weights:
-        assert act is not None
-        down_grad = grouped_weight_grad(math.gemm(act), grad_operand, counts, offsets).to(dtype)
-        del act
-    del grad_operand
     rows_grad = None
     if want_rows:
-        rows_grad = grouped_mm(pre_grad, gate_up.transpose(1, 2), counts, offsets).to(dtype)
-    if down_grad is None:
+        rows_grad = grouped_mm(pre_grad, weights.gate_up().transpose(1, 2), counts, offsets)
+    if not want_weights:
         return rows_grad, None
-    done_down = down_grad
+    held = [act, grad]
 
     def weight_grads() -> tuple[Tensor, Tensor]:
-        return grouped_weight_grad(math.gemm(rows), pre_grad, counts, offsets).to(dtype), done_down
+        # The step's peak is gate_up's gradient, taken with down's held: its blocks are one
+        # group each, split in two by columns below 8 groups (measured on the coarse bench
+        # shape: 4 groups whole 4.5 ms, halves 5.5, quarters 6.5); down's are larger (cheaper).
+        down_grad = weight_grad_as(dtype, *held, counts, offsets, blocks=4)
+        held.clear()
+        return weight_grad_as(dtype, rows, pre_grad, counts, offsets, blocks=max(8, len(counts))), down_grad
+    del act, grad
     return rows_grad, weight_grads
 
 
@@ -155,7 +187,8 @@ def route_rows(
     expert_major_rows) -> expert_major_result`` there, and bring the results back
     un-permuted: returns a new [T*K, H] tensor in (token, k) order (or nothing, without
     the return trip, when ``return_results`` is False). ``source`` holds one row per
-    token ([T, H]) or one per (token, k) pair ([T*K, H]).
+    token ([T, H]) or one per (token, k) pair ([T*K, H]). Rows travel, reach ``compute``
+    and come back in ``math.wire(source.dtype)``; the sum over routes is in the source's.
 
     ``row_scale`` ([T*K], (token, k) order) multiplies every sent row by its route's
     weight as it is gathered, so no weighted [T*K, H] copy of the source is made first.
@@ -166,6 +199,9 @@ def route_rows(
     work that needs neither is hidden behind the communication."""
     total_rows = plan.num_tokens * plan.top_k
     hidden = source.shape[1]
+    wire = math.wire(source.dtype)
+    if source_is_tokens and row_scale is None:
+        source = source.to(wire)  # [T, H] cast once rather than every gathered row
     # Results are allocated only once the first piece's are back (not held while pieces are
     # computed): the summed one is accumulated piece by piece, the un-permuted one gathered in
     # one go (``plan.unsort``) once every piece's results are back.
@@ -176,13 +212,23 @@ def route_rows(
         nonlocal result
         if result is None:
             result = source.new_zeros(plan.num_tokens, hidden)
-        result.index_add_(0, route.source_token, rows)
+        if rows.dtype == result.dtype:
+            result.index_add_(0, route.source_token, rows)
+            return
+        # narrower rows (gemm_dtype opt-in) widened a block at a time, added in the same order
+        for start in range(0, rows.shape[0], _ADD_BLOCK_ROWS):
+            block = slice(start, start + _ADD_BLOCK_ROWS)
+            result.index_add_(0, route.source_token[block], rows[block].to(result.dtype))
 
     def summed() -> Tensor:
         return source.new_zeros(plan.num_tokens, hidden) if result is None else result
 
     def gather(route: ChunkRoute, out: Tensor | None = None) -> Tensor:
         index = route.source_token if source_is_tokens else route.order
+        if row_scale is not None and source.dtype != wire:  # scaled in the source's dtype, then narrowed
+            scale = row_scale.index_select(0, route.order).unsqueeze(1)
+            return torch.mul(source.index_select(0, index), scale,
+                             out=out if out is not None else source.new_empty(0, dtype=wire))
         rows = torch.index_select(source, 0, index, out=out) if out is not None \
             else source.index_select(0, index)
         if row_scale is not None:
@@ -208,7 +254,7 @@ def route_rows(
             if after_combine is not None:
                 after_combine(c)
         if return_results and not sum_over_k:
-            return unsorted(_joined(outs, source, hidden))
+            return unsorted(_joined(outs, source.new_empty(0, dtype=wire), hidden))
         return summed() if summing else None
 
     # Each piece of a wave owns a disjoint slice of both buffers. Its received rows are
@@ -217,8 +263,8 @@ def route_rows(
     # roles. A wave's combines complete before the next wave's rows reuse the receive buffer.
     waves = _waves(plan)
     wave_rows = max(sum(r.recv_rows for _, r in wave) for wave in waves)
-    send_all = workspace.buffer("send", total_rows, hidden)
-    recv_all = workspace.buffer("recv", wave_rows, hidden)
+    send_all = workspace.buffer("send", total_rows, hidden, wire)
+    recv_all = workspace.buffer("recv", wave_rows, hidden, wire)
 
     def views(route: ChunkRoute) -> tuple[Tensor, Tensor]:
         return (send_all[route.send_begin:route.send_begin + route.send_rows],
@@ -273,10 +319,11 @@ def _forward(call: MoeCall, hidden: Tensor, topk_ids: Tensor, topk_weights: Tens
     keep = plan.backward_dispatch  # some EP rank runs the expert-side backward
     saved_rows: list[Tensor] = []
     saved_pre: list[Tensor] = []
-    gemm_gate_up, gemm_down = math.gemm(gate_up), math.gemm(down)  # cast once per call
+    weights = GemmWeights(math, gate_up, down)  # cast once per call
+    wire = math.wire(hidden.dtype)
 
     def compute(c: int, route: ChunkRoute, rows: Tensor) -> Tensor:
-        pre, out = _experts_forward(rows, gemm_gate_up, gemm_down, route, math)
+        pre, out = _experts_forward(rows, weights, route, math, hidden.dtype)
         if keep:
             saved_rows.append(rows)
             saved_pre.append(pre)
@@ -284,17 +331,18 @@ def _forward(call: MoeCall, hidden: Tensor, topk_ids: Tensor, topk_weights: Tens
 
     expert_out = route_rows(hidden, True, plan, call.workspace, math, compute)
     assert expert_out is not None
-    output = weighted_sum(expert_out.view(tokens, top_k, hidden_size), topk_weights)
-    return (output, _joined(saved_rows, hidden, hidden_size),
-            _joined(saved_pre, hidden, 2 * down.shape[1]),
-            expert_out if call.weights_grad else hidden.new_empty(0, hidden_size))
+    weights.release()
+    output = weighted_sum(expert_out.to(hidden.dtype).view(tokens, top_k, hidden_size), topk_weights)
+    like = hidden.new_empty(0, dtype=wire)
+    return (output, _joined(saved_rows, like, hidden_size), _joined(saved_pre, like, 2 * down.shape[1]),
+            expert_out if call.weights_grad else like.new_empty(0, hidden_size))
 
 
 @torch.library.custom_op("hyperpar::moe_experts", mutates_args=(), **_OP_TAGS)
 def _moe_experts_op(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up: Tensor, down: Tensor,
                     tokens_per_expert: Tensor | None, call: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(output [T, H], expert input rows [R, H], pre-activations [R, 2I], per-route outputs
-    [T*K, H] or [0, H]); the last three are what backward reads."""
+    [T*K, H] or [0, H]); the last three are what backward reads, in the wire dtype."""
     return _forward(_CALLS[call], hidden, topk_ids, topk_weights, gate_up, down, tokens_per_expert)
 
 
@@ -304,8 +352,10 @@ def _moe_experts_fake(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, ga
     ctx = torch.library.get_ctx()
     rows = ctx.new_dynamic_size()
     hidden_size = hidden.shape[1]
-    return (hidden.new_empty(hidden.shape), hidden.new_empty(rows, hidden_size),
-            hidden.new_empty(rows, 2 * down.shape[1]), hidden.new_empty(ctx.new_dynamic_size(), hidden_size))
+    state = _CALLS.get(call)
+    wire = hidden.new_empty(0, dtype=hidden.dtype if state is None else state.math.wire(hidden.dtype))
+    return (hidden.new_empty(hidden.shape), wire.new_empty(rows, hidden_size),
+            wire.new_empty(rows, 2 * down.shape[1]), wire.new_empty(ctx.new_dynamic_size(), hidden_size))
 
 
 def _backward(call: MoeCall, grad_output: Tensor, topk_weights: Tensor, gate_up: Tensor, down: Tensor,
@@ -322,7 +372,7 @@ def _backward(call: MoeCall, grad_output: Tensor, topk_weights: Tensor, gate_up:
     def routing_weights_grad() -> None:
         nonlocal weights_grad
         if need_weights:
-            per_route = expert_out.view(tokens, top_k, hidden_size)
+            per_route = expert_out.to(grad.dtype).view(tokens, top_k, hidden_size)
             weights_grad = route_dots(per_route, grad).to(topk_weights.dtype)
 
     hidden_grad = gate_up_grad = down_grad = None
@@ -332,13 +382,19 @@ def _backward(call: MoeCall, grad_output: Tensor, topk_weights: Tensor, gate_up:
         route_weights = topk_weights.to(grad.dtype).reshape(tokens * top_k)
         weight_grads: list[Tensor | None] = [None, None]
         deferred: list[WeightGrads | None] = [None]
-        gemm_gate_up, gemm_down = math.gemm(gate_up), math.gemm(down)  # cast once per call
+        # cast once per call, and dropped after the last piece's GEMMs: not held (with the
+        # gemm_dtype opt-in, a copy) while the weight gradients are taken
+        weights = GemmWeights(math, gate_up, down)
+        pieces_left = [len(plan.chunks)]
 
         def compute(c: int, route: ChunkRoute, rows: Tensor) -> Tensor | None:
             piece = slice(route.saved_begin, route.saved_begin + route.recv_rows)
-            out, deferred[0] = _experts_backward(saved_rows[piece], saved_pre[piece], rows, gemm_gate_up,
-                                                 gemm_down, route, math, want_expert_weights,
+            out, deferred[0] = _experts_backward(saved_rows[piece], saved_pre[piece], rows, weights,
+                                                 route, math, grad.dtype, want_expert_weights,
                                                  plan.backward_combine)
+            pieces_left[0] -= 1
+            if pieces_left[0] == 0:
+                weights.release()
             return out
 
         def expert_weight_grads(c: int) -> None:

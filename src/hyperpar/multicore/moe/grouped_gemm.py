@@ -100,6 +100,40 @@ def grouped_weight_grad(rows: torch.Tensor, grad: torch.Tensor, counts: list[int
     return out
 
 
+def weight_grad_as(dtype: torch.dtype, rows: torch.Tensor, grad: torch.Tensor, counts: list[int],
+                   offsets: torch.Tensor, blocks: int = 16) -> torch.Tensor:
+    """``grouped_weight_grad`` returned in ``dtype``. Operands narrower than ``dtype`` (the
+    ``gemm_dtype`` opt-in) are multiplied a block at a time (about ``1 / blocks`` of it: a few
+    groups, or one group's column slice when there are fewer groups than blocks) and each
+    block copied into the result, so the narrow result held beside the wide one is a block,
+    not a second gradient. More blocks hold less and cost more calls."""
+    if rows.dtype == dtype:
+        return grouped_weight_grad(rows, grad, counts, offsets)
+    groups, width = len(counts), grad.shape[1]
+    out = torch.empty(groups, rows.shape[1], width, dtype=dtype, device=rows.device)
+    block = -(-groups // blocks)
+    columns = _column_slices(width, -(-blocks // groups), grad.element_size())
+    start = 0
+    for first in range(0, groups, block):
+        last = min(groups, first + block)
+        size = sum(counts[first:last])
+        part_offsets = offsets[first:last] - start
+        for cols in columns:
+            part = grouped_weight_grad(rows[start:start + size], grad[start:start + size, cols],
+                                       counts[first:last], part_offsets)
+            out[first:last, :, cols].copy_(part)
+            del part
+        start += size
+    return out
+
+
+def _column_slices(width: int, parts: int, itemsize: int) -> list[slice]:
+    """``width`` columns in up to ``parts`` slices whose starts stay 16-byte aligned."""
+    step = 16 // itemsize
+    size = max(step, -(-width // parts // step) * step)
+    return [slice(begin, min(width, begin + size)) for begin in range(0, width, size)]
+
+
 def group_offsets(counts: list[int], device: torch.device) -> torch.Tensor:
     """The int32 end offset of every group, as ``torch._grouped_mm`` wants them."""
     ends: list[int] = []

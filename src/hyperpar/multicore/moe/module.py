@@ -123,9 +123,9 @@ class MoeExperts(MulticoreModule):
     def _create_execution_resources(self, tensor: torch.Tensor, *, shared: bool,
                                     active_specifications: Sequence[Any]) -> MoeWorkspace:
         spec = WorkspaceSpec.covering(active_specifications or (self.resource_specification,))
-        workspace = MoeWorkspace(spec, tensor.device, tensor.dtype)
-        log.debug("MoeExperts workspace: %d bytes on %s %s (shared=%s)", workspace.nbytes,
-                  tensor.device, tensor.dtype, shared)
+        workspace = MoeWorkspace(spec, tensor.device)
+        log.debug("MoeExperts workspace for %d rows out, at most %d in, on %s (shared=%s)",
+                  spec.send_rows, spec.capacity_rows, tensor.device, shared)
         return workspace
 
     def _resource_signature(self, tensor: torch.Tensor) -> Any:

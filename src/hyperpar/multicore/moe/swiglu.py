@@ -45,3 +45,25 @@ def swiglu_backward(pre: torch.Tensor, grad: torch.Tensor, limit: float | None,
         grad_gate.masked_fill_(raw_gate > limit, 0)
         grad_up.masked_fill_((raw_up < -limit) | (raw_up > limit), 0)
     return out, (silu_gate.mul_(up) if want_activation else None)
+
+
+def swiglu_backward_as(pre: torch.Tensor, grad: torch.Tensor, dtype: torch.dtype, limit: float | None,
+                       want_activation: bool = False, block_rows: int = 128,
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``swiglu_backward`` computed in ``dtype`` for ``pre`` and ``grad`` held in a narrower one
+    (the ``gemm_dtype`` opt-in), results back in theirs. Row blocks at a time, so the wide
+    copies of ``pre``, ``grad`` and the intermediates are a block each, not [R, 2I] ones; the
+    values are those of casting everything up first (the formula is row by row)."""
+    if pre.dtype == dtype and grad.dtype == dtype:
+        return swiglu_backward(pre, grad, limit, want_activation)
+    narrow = pre.dtype
+    pre_grad = torch.empty_like(pre)
+    act = pre.new_empty(pre.shape[0], pre.shape[1] // 2) if want_activation else None
+    for start in range(0, pre.shape[0], block_rows):
+        rows = slice(start, start + block_rows)
+        part, part_act = swiglu_backward(pre[rows].to(dtype), grad[rows].to(dtype), limit, want_activation)
+        pre_grad[rows].copy_(part)
+        if act is not None:
+            assert part_act is not None
+            act[rows].copy_(part_act.to(narrow))
+    return pre_grad, act

@@ -1,8 +1,13 @@
-"""The execution resources of MoeExperts: communication buffers sized at capacity, and their lease.
+"""The execution resources of MoeExperts: communication buffers, and their lease.
 
 One workspace serves every layer of a shared stack because layers run one at a time
 and nothing a layer saves for backward points into it; the lease turns a violation of
 that (two calls at once) into an error instead of silent corruption.
+
+The buffers are raw bytes grown to the largest call seen, not allocated at capacity: a
+lossless receive buffer at capacity is ``ep_size`` times what balanced routing uses, and
+those bytes are kept between steps. Bytes, so one workspace serves layers whose rows
+travel in different dtypes (the ``gemm_dtype`` opt-in sends its rows in that dtype).
 """
 
 from __future__ import annotations
@@ -53,40 +58,43 @@ class PendingBackward:
 
 
 class MoeWorkspace:
-    """A receive buffer at capacity plus a send buffer, allocated once per binding."""
+    """A send and a receive buffer per binding, each grown to the largest call seen (at most
+    its capacity: ``capacity_rows`` of the widest dtype a member sends)."""
 
-    def __init__(self, spec: WorkspaceSpec, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, spec: WorkspaceSpec, device: torch.device) -> None:
         self.spec = spec
         self.device = device
-        self.dtype = dtype
         self._lock = threading.RLock()  # reentrant: a freed graph may release from GC
         self._holder: str | None = None
         self._pending = 0
         self._closed = False
-        shapes: dict[str, int] = {}
-        if spec.ep_size > 1:
-            # send: this rank's rows out, then their results back in; recv: rows in at
-            # capacity, then the expert outputs out. One rank alone needs no buffers.
-            shapes = {"send": spec.send_rows, "recv": spec.capacity_rows}
-        self._rows = shapes
+        # send: this rank's rows out, then their results back in; recv: rows in, then the
+        # expert outputs out. One rank alone needs no buffers (route_rows never asks).
+        self._capacity_rows = {"send": spec.send_rows, "recv": spec.capacity_rows}
         # Allocated on first use, inside the layer's op: binding can happen inside an
         # OffloadSession, whose tracer must never take these buffers for activations.
         self._buffers: dict[str, torch.Tensor] = {}
 
-    def buffer(self, name: str, rows: int, hidden: int) -> torch.Tensor:
-        """A [rows, hidden] view at the start of buffer ``name`` (only valid under the lease)."""
+    def buffer(self, name: str, rows: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+        """A [rows, hidden] ``dtype`` view at the start of buffer ``name`` (only valid under the
+        lease). A call that needs more bytes than the buffer holds replaces it (its contents are
+        not kept): growth stops at the largest call, which the plan bounds by the capacity."""
         if self._closed:
             raise RuntimeError("MoeExperts workspace is closed")
+        if rows > self._capacity_rows[name] or hidden > self.spec.hidden_size:
+            raise AssertionError(f"MoeExperts workspace {name}: {rows}x{hidden} exceeds its capacity "
+                                 f"{self._capacity_rows[name]}x{self.spec.hidden_size}")  # pragma: no cover
+        need = rows * hidden * dtype.itemsize
         full = self._buffers.get(name)
-        if full is None:
-            full = self._buffers[name] = torch.empty(self._rows[name], self.spec.hidden_size,
-                                                     device=self.device, dtype=self.dtype)
-        return full.view(-1)[:rows * hidden].view(rows, hidden)
+        if full is None or full.numel() < need:
+            self._buffers.pop(name, None)  # freed before the larger one is allocated
+            full = self._buffers[name] = torch.empty(need, device=self.device, dtype=torch.uint8)
+        return full[:need].view(dtype).view(rows, hidden)
 
     @property
     def nbytes(self) -> int:
-        """Bytes the buffers hold (allocated at the first call that communicates)."""
-        return sum(rows * self.spec.hidden_size for rows in self._rows.values()) * self.dtype.itemsize
+        """Bytes the buffers hold now (none before the first call that communicates)."""
+        return sum(b.numel() for b in self._buffers.values())
 
     @contextmanager
     def lease(self, what: str) -> Iterator[None]:
@@ -134,5 +142,4 @@ class MoeWorkspace:
 
     def lifecycle_signature(self) -> tuple[object, ...]:
         s = self.spec
-        return ("MoeWorkspace", s.hidden_size, s.send_rows, s.capacity_rows, s.ep_size,
-                str(self.dtype), self.device.type)
+        return ("MoeWorkspace", s.hidden_size, s.send_rows, s.capacity_rows, s.ep_size, self.device.type)
