@@ -474,13 +474,7 @@ def _backward_formula(ctx: Any, grad_output: Tensor | None, *_: Any) -> tuple[Te
 _moe_experts_op.register_autograd(_backward_formula, setup_context=_setup_context)
 
 
-# A graph break: the call key and the plan live outside any graph. torch's lazy form of
-# ``torch.compiler.disable`` imports Dynamo at the first call, not at import (~1.5 s of CPU
-# in every process that imports the models and never compiles).
-_disable_dynamo = getattr(torch, "_disable_dynamo", torch.compiler.disable)
-
-
-@_disable_dynamo
+@torch.compiler.disable  # a graph break: the call key and the plan live outside any graph
 def run_moe_experts(hidden: Tensor, num_tokens: int, topk_ids: Tensor, topk_weights: Tensor,
                     gate_up: Tensor, down: Tensor, tokens_per_expert: Tensor | None, call: MoeCall,
                     problems: list[str]) -> Tensor:
