@@ -19,7 +19,6 @@ import torch
 from torch._ops import OpOverload
 
 from hyperpar.offload.capture.executor_base import (
-    _NAMES,
     PLAIN,
     ExecutorBase,
     OpState,
@@ -43,14 +42,14 @@ READ, WRITE = AccessKind.READ, AccessKind.WRITE
 Tensor = torch.Tensor
 _STRIDED = torch.strided
 _perf_counter = time.perf_counter
-_FAST: dict[Any, bool] = {}  # func -> whether it takes the fused path
+_FAST: dict[Any, str] = {}  # func -> its name if it takes the fused path, else "" (one lookup an op)
 
 
-def _fast(func: Any) -> bool:
+def _fast(func: Any) -> str:
     fast = _FAST.get(func)
     if fast is None:
-        fast = _FAST[func] = (isinstance(func, OpOverload) and op_kind(func) == PLAIN
-                              and not mutates(func) and not nested_tensors(func))
+        fast = _FAST[func] = op_name(func) if (isinstance(func, OpOverload) and op_kind(func) == PLAIN
+                                               and not mutates(func) and not nested_tensors(func)) else ""
     return fast
 
 
@@ -81,11 +80,11 @@ class WarmupExecutor(ExecutorBase):
     def run_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``online_op`` fused for the common op (see the module docstring)."""
         entered = _perf_counter()
-        fast = _FAST.get(func)
-        if fast is None:
-            fast = _fast(func)
+        name = _FAST.get(func)
+        if name is None:
+            name = _fast(func)
         m, timer = self.manager, self.timer
-        if not fast or m.pending_free or timer is None:
+        if not name or m.pending_free or timer is None:
             return self.online_op(func, args, kwargs)
         table = self.table
         sid_of, ids, plain = table.sid_of, table.ids, self._plain
@@ -123,7 +122,6 @@ class WarmupExecutor(ExecutorBase):
         self._gaps_ms.append((entered - self._last_exit) * 1e3)
         i = self.index
         self.index = i + 1
-        name = _NAMES.get(func) or op_name(func)
         self._current = name
         begin = timer.mark()
         out = func(*args, **kwargs)
