@@ -41,7 +41,8 @@ def _recorded(step: Any) -> tuple[ActivationTrace, list[object]]:
     got: list[tuple[ActivationTrace, list[object]]] = []
     plan = session._plan
 
-    def record(signature: int, trace: ActivationTrace, keys: list[object], structure: Any, *packed: Any) -> Any:
+    def record(signature: int, trace: ActivationTrace, keys: list[object], structure: Any,
+               *packed: Any) -> Any:
         got.append((trace, keys))
         return plan(signature, trace, keys, structure, *packed)
 
