@@ -41,9 +41,10 @@ def _recorded(step: Any) -> tuple[ActivationTrace, list[object]]:
     got: list[tuple[ActivationTrace, list[object]]] = []
     plan = session._plan
 
-    def record(signature: int, trace: ActivationTrace, keys: list[object], structure: Any) -> Any:
+    def record(signature: int, trace: ActivationTrace, keys: list[object], structure: Any,
+               *packed: Any) -> Any:
         got.append((trace, keys))
-        return plan(signature, trace, keys, structure)
+        return plan(signature, trace, keys, structure, *packed)
 
     session._plan = record  # type: ignore[method-assign]
     step(session)

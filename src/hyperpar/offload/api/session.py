@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
 
+import numpy as np
 import torch
 
 from hyperpar.offload.api.config import OffloadConfig
@@ -47,8 +48,15 @@ from hyperpar.offload.capture import (
 from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
 from hyperpar.offload.ir.packed import PackedTrace
 from hyperpar.offload.ir.packed_schedule import PackedSchedule
+from hyperpar.offload.ir.packed_view import trace_view
 from hyperpar.offload.ir.report import StepReport
 from hyperpar.offload.planning import gc_pause
+from hyperpar.offload.planning.arrays import (
+    TraceArrays,
+    arrays_given,
+    packed_trace_arrays,
+    resident_without_offload,
+)
 from hyperpar.offload.planning.floor import BudgetFloor, budget_floor
 from hyperpar.offload.planning.sweep import deficit_warnings_muted
 from hyperpar.offload.runtime import (
@@ -101,16 +109,20 @@ class _Structure:
     last: _Plan  # the plan its last step followed
 
 
-def _signature(trace: ActivationTrace, keys: list[object]) -> int:
+def _signature(packed: PackedTrace, keys: list[object]) -> int:
     """Everything replay checks (ops, inputs, outputs' dtypes and ranks, storage accesses,
-    pins), not sizes or timings."""
+    pins), not sizes or timings: the packed structure's columns, each output shape by its rank."""
+    st = packed.structure
+    ranked: dict[tuple[object, ...], int] = {}  # output meta with ranks for shapes -> its number
+    numbers = np.array([ranked.setdefault(tuple(None if m is None else (len(m[0]), m[1]) for m in metas),
+                                          len(ranked)) for metas in st.metas], dtype=np.int64)
+    per_op = numbers[np.frombuffer(st.meta_index, dtype=np.int64)] if len(numbers) else numbers
     return hash((
-        tuple(keys),
-        tuple((g.output_leaf_count, tuple(sorted(g.output_bindings.items())), g.input_sids,
-               tuple(None if m is None else (len(m[0]), m[1]) for m in g.output_meta))
-              for g in trace.guides),
-        tuple(op.accesses for op in trace.ops),
-        trace.pinned_sids,
+        tuple(keys), tuple(ranked), per_op.tobytes(), st.has_guides, st.leaf_count.tobytes(),
+        st.bind_start.tobytes(), st.bind_leaf.tobytes(), st.bind_sid.tobytes(),
+        st.input_start.tobytes(), st.input_sid.tobytes(),
+        st.access_start.tobytes(), st.access_sid.tobytes(), st.access_write,
+        packed.pinned_sids,
     ))
 
 
@@ -319,28 +331,39 @@ class OffloadSession:
 
     def _after_clean_step(self, executor: ExecutorBase, report: StepReport) -> None:
         trace: ActivationTrace | None = None
+        packed: PackedTrace | None = None
+        arrays: TraceArrays | None = None
         keys: list[object] = []
         if isinstance(executor, (WarmupExecutor, ReplayExecutor)):
             link = probe_link(self.device, self._manager.engine)
             if self.link_bandwidth is None:
                 self.link_bandwidth = link.as_dict()
-            trace = executor.build_trace(link.d2h_gbps, link.h2d_gbps)
+            if isinstance(executor, WarmupExecutor):  # recorded packed: no op objects
+                packed = executor.build_packed(link.d2h_gbps, link.h2d_gbps)
+                trace = trace_view(packed)
+            else:
+                trace = executor.build_trace(link.d2h_gbps, link.h2d_gbps)
+                packed = None if trace is None else PackedTrace(trace)
             keys = executor.keys
-            if trace is not None and self.config.max_resident_fraction is not None and not self._structures:
-                self._budget_bytes = self.config.budget_for_peak(trace.peak_bytes_without_offload())
-                trace.memory_limit_bytes = self._budget_bytes
+            if trace is not None and packed is not None:
+                arrays = packed_trace_arrays(trace, packed)
+                if self.config.max_resident_fraction is not None and not self._structures:
+                    resident = resident_without_offload(arrays)
+                    peak = int(resident.max()) if len(resident) else 0
+                    self._budget_bytes = self.config.budget_for_peak(peak)
+                    trace.memory_limit_bytes = packed.memory_limit_bytes = self._budget_bytes
         if isinstance(executor, ReplayExecutor):
             assert self._running is not None
             report.predicted_step_ms = self._running.predicted_ms
             if executor.timer is not None:
                 self._timeline = executor.timeline(self._manager.engine.spans())
-        if trace is not None:  # a warmup, or a replay that diverged and traced itself
-            signature = _signature(trace, keys)
+        if trace is not None and packed is not None:  # a warmup, or a replay that diverged and traced itself
+            signature = _signature(packed, keys)
             structure = self._structures.get(signature)
             if structure is None:
-                plan = self._new_plan(signature, trace, keys)
+                plan = self._new_plan(signature, trace, keys, packed, arrays)
             else:  # a known structure at sizes of its own: plan them
-                plan = self._size_plan(structure, signature, trace)
+                plan = self._size_plan(structure, signature, trace, packed, arrays)
         else:  # the plan it ended on (it may have switched to another known one)
             assert isinstance(executor, ReplayExecutor)
             plan = self._after_replay(executor)
@@ -379,9 +402,10 @@ class OffloadSession:
         return replace(trace, storage_sizes=sizes, d2h_bandwidth_gbps=trace.d2h_bandwidth_gbps * ratio,
                        h2d_bandwidth_gbps=trace.h2d_bandwidth_gbps * ratio)
 
-    def _size_plan(self, structure: _Structure, signature: int, trace: ActivationTrace) -> _Plan:
+    def _size_plan(self, structure: _Structure, signature: int, trace: ActivationTrace,
+                   packed: PackedTrace | None = None, arrays: TraceArrays | None = None) -> _Plan:
         base = next(iter(structure.sizes.values())).program
-        plan = self._plan(signature, trace, structure.keys, base)
+        plan = self._plan(signature, trace, structure.keys, base, packed, arrays)
         bucket = plan.program.bucket
         structure.sizes.pop(bucket, None)
         structure.sizes[bucket] = plan
@@ -389,8 +413,9 @@ class OffloadSession:
             structure.sizes.pop(next(iter(structure.sizes)))
         return plan
 
-    def _new_plan(self, signature: int, trace: ActivationTrace, keys: list[object]) -> _Plan:
-        plan = self._plan(signature, trace, keys, None)
+    def _new_plan(self, signature: int, trace: ActivationTrace, keys: list[object], packed: PackedTrace,
+                  arrays: TraceArrays | None) -> _Plan:
+        plan = self._plan(signature, trace, keys, None, packed, arrays)
         self._structures[signature] = _Structure(keys, {plan.program.bucket: plan}, plan)
         while len(self._structures) > MAX_STRUCTURES:
             old, _ = self._structures.popitem(last=False)
@@ -400,15 +425,22 @@ class OffloadSession:
         return plan
 
     def _plan(self, signature: int, trace: ActivationTrace, keys: list[object],
-              structure: ReplayProgram | None) -> _Plan:
+              structure: ReplayProgram | None, packed: PackedTrace | None = None,
+              arrays: TraceArrays | None = None) -> _Plan:
+        """``packed``: the trace packed already (and ``arrays``, its arrays), else packed here."""
         from hyperpar.offload.planning import simulate  # planning sits beside capture
-        from hyperpar.offload.planning.arrays import arrays_given, packed_trace_arrays
         from hyperpar.offload.planning.prediction import kept_simulation, simulations_kept
 
-        packed = PackedTrace(trace, None if structure is None else structure.packed)
+        like = None if structure is None else structure.packed
+        if packed is None:
+            packed, arrays = PackedTrace(trace, like), None
+        elif like is not None and packed.structure == like.structure:
+            packed.structure = like.structure  # plans of one structure share its columns
+        if arrays is None:
+            arrays = packed_trace_arrays(trace, packed)
         # The floor, the planner and the simulator share one set of arrays, made from the
         # packed trace; the planner's own simulation of its schedule is reused.
-        with arrays_given(trace, packed_trace_arrays(trace, packed)), simulations_kept() as sims:
+        with arrays_given(trace, arrays), simulations_kept() as sims:
             floor = budget_floor(trace)
             below_floor = floor.floor_bytes > trace.memory_limit_bytes
             if below_floor and not self._said_below_floor:  # said once per session, the planners stay quiet

@@ -60,7 +60,10 @@ class ActivationTable:
         return len(self.refs)
 
     def new_sid(self) -> int:
-        self.reserve(len(self.refs) + 1)
+        self.refs.append(None)
+        self.ids.append(0)
+        self.nbytes.append(0)
+        self.producer.append(-1)
         return len(self.refs) - 1
 
     def bind(self, sid: int, storage: torch.UntypedStorage, producer: int) -> None:

@@ -61,6 +61,10 @@ def op_name(func: Any) -> str:
     return name
 
 
+def _neg_bytes(item: tuple[int, Any, int, Any]) -> int:
+    return -item[0]
+
+
 def fully_visible(leaf: Tensor) -> bool:
     """Whether every reader of this tensor's storage goes through the dispatcher."""
     return leaf.layout is _STRIDED and not leaf.is_quantized and not leaf.is_nested
@@ -236,12 +240,28 @@ class ExecutorBase:
 
     def online_end(self, state: OpState, leaves: list[Any]) -> None:
         duration_ms = self._op_duration(state)
-        m, table, i, kinds = self.manager, self.table, state.index, state.kinds
+        i, kinds = state.index, state.kinds
+        meta, bindings, pin, fresh, _ = self.bind_outputs(state.key, i, kinds, state.in_ids, state.in_bytes,
+                                                          leaves)
+        if pin or state.pin:
+            self.pin_sids(kinds)
+        self.refresh_written(kinds, fresh)
+        self.note_peak(i)
+        if self.recording:
+            self.record_op(state, duration_ms, kinds, len(leaves), bindings, meta)
+
+    def bind_outputs(self, key: Any, i: int, kinds: dict[int, AccessKind], in_ids: set[int], in_bytes: int,
+                     leaves: list[Any]) -> tuple[tuple[Any, ...], dict[int, int], bool, int, bool]:
+        """Op ``i``'s outputs: new storages bound to new sids (largest first), older activations
+        among them marked written in ``kinds``. Returns (output meta, leaf -> sid bindings,
+        whether to pin, the first new sid, whether an older activation came out)."""
+        table = self.table
+        sid_of, ids, plain = table.sid_of, table.ids, self._plain
         dev = self.device
         meta: list[Any] = []
         new: list[tuple[int, torch.UntypedStorage, int, Tensor]] = []  # (bytes, storage, leaf, tensor)
-        bound: dict[int, int] = {}
-        pin = state.pin
+        bindings: dict[int, int] = {}
+        pin = rewritten = False
         for li, leaf in enumerate(leaves):
             if not isinstance(leaf, Tensor):
                 meta.append(None)
@@ -256,54 +276,62 @@ class ExecutorBase:
             except (RuntimeError, NotImplementedError):
                 pin = True
                 continue
-            if id(st) in state.in_ids:
+            st_id = id(st)
+            if st_id in in_ids:
                 continue
-            sid = table.lookup(st)
-            if sid is not None:
+            sid = sid_of.get(st_id)
+            if sid is not None and ids[sid] == st_id:
                 kinds[sid] = WRITE
-                if table.producer[sid] == i and li not in bound:  # bound by a replay of this op
-                    bound[li] = sid
+                rewritten = True
+                if table.producer[sid] == i and li not in bindings:  # bound by a replay of this op
+                    bindings[li] = sid
                 continue
-            plain = self._plain.get(id(st))
-            if (plain is not None and plain() is st) or st.device != dev:  # a fake tensor: meta
+            p = plain.get(st_id)
+            if (p is not None and p() is st) or st.device != dev:  # a fake tensor: meta
                 continue
             nbytes = st.nbytes()
             if nbytes and not any(s is st for _, s, _, _ in new):
                 new.append((nbytes, st, li, leaf))
-        bindings = bound
-        if len(new) > 1:
-            new.sort(key=lambda x: -x[0])
-        if state.in_bytes and new:
-            made = sum(x[0] for x in new) / state.in_bytes
-            if made > self._out_ratio.get(state.key, 0.0):
-                self._out_ratio[state.key] = made
-        fresh = len(table.ids)
-        for nbytes, st, li, leaf in new:
-            sid = table.new_sid()
-            table.bind(sid, st, i)
-            bindings[li] = sid
-            kinds[sid] = WRITE
-            if fully_visible(leaf):
-                heapq.heappush(self._heap, (i, -nbytes, sid))
-            else:
-                table.pinned.add(sid)
-        if pin:
-            self.pin_sids(kinds)
+        fresh = len(ids)
+        if new:
+            if len(new) > 1:
+                new.sort(key=_neg_bytes)
+            if in_bytes:
+                made = sum(x[0] for x in new) / in_bytes
+                if made > self._out_ratio.get(key, 0.0):
+                    self._out_ratio[key] = made
+            heap = self._heap
+            for nbytes, st, li, leaf in new:
+                sid = table.new_sid()
+                table.bind(sid, st, i)
+                bindings[li] = sid
+                kinds[sid] = WRITE
+                if fully_visible(leaf):
+                    heapq.heappush(heap, (i, -nbytes, sid))
+                else:
+                    table.pinned.add(sid)
+        return tuple(meta), bindings, pin, fresh, rewritten
+
+    def refresh_written(self, kinds: dict[int, AccessKind], fresh: int) -> None:
+        """Storages the op wrote: host copies are stale, and ``out=`` may have resized them
+        (sids from ``fresh`` on are new: nothing to refresh)."""
+        m = self.manager
         entries = m.entries
         for sid, kind in kinds.items():
-            if kind is WRITE and sid < fresh:  # just-bound storages are new: nothing to refresh
+            if kind is WRITE and sid < fresh:
                 entry = entries.get(sid)
                 if entry is not None:
                     m.mark_written(entry)
                 self._refresh_size(sid)
-        resident = table.live_bytes - m.away_bytes
-        if resident > self.peak_bytes:
-            self.peak_bytes, self.peak_op = resident, i
-        if self.recording:
-            self.ops.append(TraceOp(state.name, duration_ms, tuple(
-                [StorageAccess(i, sid, kind) for sid, kind in kinds.items()])))
-            self.guides.append(OpGuide(state.name, len(leaves), bindings, tuple(meta), state.in_sids))
-            self.keys.append(state.key)
+
+    def record_op(self, state: OpState, duration_ms: float, kinds: dict[int, AccessKind], leaf_count: int,
+                  bindings: dict[int, int], meta: tuple[Any, ...]) -> None:
+        """Append one op to the trace as objects (warmup records columns instead)."""
+        i = state.index
+        self.ops.append(TraceOp(state.name, duration_ms, tuple(
+            [StorageAccess(i, sid, kind) for sid, kind in kinds.items()])))
+        self.guides.append(OpGuide(state.name, leaf_count, bindings, meta, state.in_sids))
+        self.keys.append(state.key)
 
     def _op_duration(self, state: OpState) -> float:
         if self.timer is not None:

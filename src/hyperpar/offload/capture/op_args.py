@@ -91,6 +91,11 @@ def _write_spec(func: Any) -> tuple[tuple[int, str, bool], ...]:
     return spec
 
 
+def mutates(func: Any) -> bool:
+    """Whether the op's schema marks any argument as written (``(a!)``)."""
+    return bool(_write_spec(func))
+
+
 def written_tensors(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
     """Tensors the op mutates, matched to the schema by position and by name.
 

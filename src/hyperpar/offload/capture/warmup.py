@@ -1,21 +1,56 @@
 """Warmup: run the step once on the online path, recording what every op touched.
 
 The budget is kept online (see ``executor_base``); when nothing is left to evict the
-overshoot is recorded, never raised.
+overshoot is recorded, never raised. Ops are recorded as columns (``TraceColumns``), and the
+common op (a plain aten op that mutates no argument and takes its tensors positionally, all
+of them with a storage) takes a fused copy of the online path: the same decisions in one
+frame, with the rare cases (budget pressure, pages to bring back, pins, outputs that are
+older activations) handed to the shared methods.
 """
 
 from __future__ import annotations
 
+import time
+import weakref
+from array import array
 from typing import Any
 
 import torch
+from torch._ops import OpOverload
 
-from hyperpar.offload.capture.executor_base import ExecutorBase, OpState, internal, op_name
-from hyperpar.offload.ir import ActivationTrace
+from hyperpar.offload.capture.executor_base import (
+    PLAIN,
+    ExecutorBase,
+    OpState,
+    internal,
+    op_kind,
+    op_name,
+)
+from hyperpar.offload.capture.op_args import mutates, nested_tensors, output_leaves
+from hyperpar.offload.capture.recorded_packed import packed_recording, timed_durations
+from hyperpar.offload.ir import AccessKind, ActivationTrace
+from hyperpar.offload.ir.guide import NOT_ACTIVATION
+from hyperpar.offload.ir.packed import PackedTrace
+from hyperpar.offload.ir.packed_view import trace_view
 from hyperpar.offload.ir.report import StepReport
+from hyperpar.offload.ir.trace_columns import TraceColumns
 from hyperpar.offload.runtime import ResidencyManager
 
 __all__ = ["WarmupExecutor", "op_name"]
+
+READ, WRITE = AccessKind.READ, AccessKind.WRITE
+Tensor = torch.Tensor
+_STRIDED = torch.strided
+_perf_counter = time.perf_counter
+_FAST: dict[Any, str] = {}  # func -> its name if it takes the fused path, else "" (one lookup an op)
+
+
+def _fast(func: Any) -> str:
+    fast = _FAST.get(func)
+    if fast is None:
+        fast = _FAST[func] = op_name(func) if (isinstance(func, OpOverload) and op_kind(func) == PLAIN
+                                               and not mutates(func) and not nested_tensors(func)) else ""
+    return fast
 
 
 class WarmupExecutor(ExecutorBase):
@@ -24,9 +59,87 @@ class WarmupExecutor(ExecutorBase):
     def __init__(self, manager: ResidencyManager, device: torch.device, budget_bytes: int) -> None:
         super().__init__(manager, device, budget_bytes)
         self.recording = True
+        self.columns = TraceColumns()
+        self.keys = self.columns.keys
+        self.durations = array("d")  # as recorded; with a timer, from its marks at the end
+        self._marks_begin, self._marks_end = array("q"), array("q")
+
+    def record_op(self, state: OpState, duration_ms: float, kinds: dict[int, AccessKind], leaf_count: int,
+                  bindings: dict[int, int], meta: tuple[Any, ...]) -> None:
+        self.columns.add(state.name, state.key, kinds, leaf_count, bindings, meta, state.in_sids)
+        self.durations.append(duration_ms)
+
+    def _op_duration(self, state: OpState) -> float:
+        timer = self.timer
+        if timer is None:
+            return super()._op_duration(state)
+        self._marks_begin.append(int(state.t0))
+        self._marks_end.append(timer.mark())
+        return 0.0
 
     def run_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return self.online_op(func, args, kwargs)
+        """``online_op`` fused for the common op (see the module docstring)."""
+        entered = _perf_counter()
+        name = _FAST.get(func)
+        if name is None:
+            name = _fast(func)
+        m, timer = self.manager, self.timer
+        if not name or m.pending_free or timer is None:
+            return self.online_op(func, args, kwargs)
+        table = self.table
+        sid_of, ids, plain = table.sid_of, table.ids, self._plain
+        kinds: dict[int, AccessKind] = {}
+        in_ids: set[int] = set()
+        in_sids: list[int] = []
+        in_bytes = 0
+        for t in args:
+            if not isinstance(t, Tensor):
+                continue
+            try:
+                st = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # no storage: the op pins, online_op knows how
+                return self.online_op(func, args, kwargs)
+            key = id(st)
+            in_ids.add(key)
+            sid = sid_of.get(key)
+            if sid is not None and ids[sid] == key:
+                in_sids.append(sid)
+                if sid not in kinds:
+                    kinds[sid] = READ
+            else:
+                in_sids.append(NOT_ACTIVATION)
+                plain[key] = weakref.ref(st)
+            if t.layout is _STRIDED:
+                in_bytes += t.nbytes
+        if kinds and m.entries:
+            self._bring_in(kinds)
+        ratio = self._out_ratio.get(func)
+        if ratio is None:
+            ratio = 0.0 if func.is_view else 1.0
+        target = self.budget_bytes - int(ratio * in_bytes)
+        if table.live_bytes - m.away_bytes > target:
+            self.enforce_budget(kinds, target=target)
+        self._gaps_ms.append((entered - self._last_exit) * 1e3)
+        i = self.index
+        self.index = i + 1
+        self._current = name
+        begin = timer.mark()
+        out = func(*args, **kwargs)
+        self._marks_end.append(timer.mark())
+        self._marks_begin.append(begin)
+        leaves = [out] if isinstance(out, Tensor) else output_leaves(out)
+        meta, bindings, pin, fresh, rewritten = self.bind_outputs(func, i, kinds, in_ids, in_bytes, leaves)
+        if pin:
+            self.pin_sids(kinds)
+        if rewritten:  # no input is written (see ``_fast``): only an older activation that came out
+            self.refresh_written(kinds, fresh)
+        resident = table.live_bytes - m.away_bytes
+        if resident > self.peak_bytes:
+            self.peak_bytes, self.peak_op = resident, i
+        self.columns.add(name, func, kinds, len(leaves), bindings, meta, tuple(in_sids))
+        self.durations.append(0.0)
+        self._last_exit = _perf_counter()
+        return out
 
     def begin_opaque(self, name: str, reads: list[torch.UntypedStorage]) -> OpState:
         return self.online_begin_opaque(name, reads)
@@ -53,8 +166,16 @@ class WarmupExecutor(ExecutorBase):
         )
 
     def build_trace(self, d2h_gbps: float, h2d_gbps: float) -> ActivationTrace:
-        """Call after finish(): storages still alive are retained."""
-        return recorded_trace(self, d2h_gbps, h2d_gbps, first_timed=0)
+        """Call after finish(): storages still alive are retained. Ops and guides are made
+        on demand (``trace_view``)."""
+        return trace_view(self.build_packed(d2h_gbps, h2d_gbps))
+
+    def build_packed(self, d2h_gbps: float, h2d_gbps: float) -> PackedTrace:
+        """The recorded trace, packed (no op objects are made)."""
+        durations = timed_durations(self.durations, self.timer, self._marks_begin, self._marks_end,
+                                    self._gaps_ms)
+        return packed_recording(self.columns, durations, self.table, self.moved_sids, self.budget_bytes,
+                                d2h_gbps, h2d_gbps)
 
 
 def recorded_trace(ex: ExecutorBase, d2h_gbps: float, h2d_gbps: float, first_timed: int) -> ActivationTrace:

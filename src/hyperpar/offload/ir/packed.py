@@ -154,7 +154,23 @@ class PackedTrace:
         self.memory_limit_bytes = trace.memory_limit_bytes
         self.d2h_bandwidth_gbps = trace.d2h_bandwidth_gbps
         self.h2d_bandwidth_gbps = trace.h2d_bandwidth_gbps
-        self._unpacked: weakref.ref[ActivationTrace] = weakref.ref(trace)
+        self._unpacked: weakref.ref[ActivationTrace] | None = weakref.ref(trace)
+
+    @classmethod
+    def recorded(cls, structure: TraceStructure, duration_ms: array, size_sid: array, size_bytes: array,
+                 retained_sids: frozenset[int], pinned_sids: frozenset[int], death_sid: array,
+                 death_op: array, memory_limit_bytes: int, d2h_bandwidth_gbps: float,
+                 h2d_bandwidth_gbps: float) -> PackedTrace:
+        """A trace recorded as columns (warmup): no object form exists until ``unpack``."""
+        self = cls.__new__(cls)
+        self.structure, self.duration_ms = structure, duration_ms
+        self.size_sid, self.size_bytes = size_sid, size_bytes
+        self.retained_sids, self.pinned_sids = retained_sids, pinned_sids
+        self.death_sid, self.death_op = death_sid, death_op
+        self.memory_limit_bytes = memory_limit_bytes
+        self.d2h_bandwidth_gbps, self.h2d_bandwidth_gbps = d2h_bandwidth_gbps, h2d_bandwidth_gbps
+        self._unpacked = None
+        return self
 
     @property
     def num_ops(self) -> int:
@@ -181,7 +197,7 @@ class PackedTrace:
 
     def unpack(self) -> ActivationTrace:
         """The trace as objects; the same object while someone still holds the last one."""
-        trace = self._unpacked()
+        trace = None if self._unpacked is None else self._unpacked()
         if trace is None:
             trace = ActivationTrace(
                 ops=self.ops(), storage_sizes=self.storage_sizes(), retained_sids=self.retained_sids,
