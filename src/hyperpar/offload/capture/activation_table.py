@@ -86,11 +86,7 @@ class ActivationTable:
         self.live_bytes += nbytes
 
     def lookup(self, storage: torch.UntypedStorage) -> int | None:
-        key = id(storage)
-        sid = self.sid_of.get(key)
-        if sid is not None and self.ids[sid] == key:
-            return sid
-        return None
+        return self.sid_of.get(id(storage))
 
     def storage(self, sid: int) -> torch.UntypedStorage | None:
         ref = self.refs[sid] if sid < len(self.refs) else None

@@ -280,7 +280,7 @@ class ExecutorBase:
             if st_id in in_ids:
                 continue
             sid = sid_of.get(st_id)
-            if sid is not None and ids[sid] == st_id:
+            if sid is not None:
                 kinds[sid] = WRITE
                 rewritten = True
                 if table.producer[sid] == i and li not in bindings:  # bound by a replay of this op

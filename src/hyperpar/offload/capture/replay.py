@@ -243,7 +243,7 @@ class ReplayExecutor(ExecutorBase):
         """After op ``i`` ran: check its outputs, bind its new storages, follow its post list."""
         p, m = self.program, self.manager
         table = self.table
-        ids, sid_of = table.ids, table.sid_of
+        sid_of = table.sid_of
         meta = p.meta[i]
         if type(out) is Tensor:
             leaves = None
@@ -272,7 +272,7 @@ class ReplayExecutor(ExecutorBase):
                     key = id(st)
                 except (RuntimeError, NotImplementedError):
                     st = None
-                if st is None or ((other := sid_of.get(key)) is not None and ids[other] == key):
+                if st is None or key in sid_of:
                     self._diverge_after(i, func, args, kwargs, [out], "an output is not a new storage")
                     return out
                 table.bind(sid, st, i)
@@ -318,8 +318,7 @@ class ReplayExecutor(ExecutorBase):
                 if ids[sid] != key:
                     return False
             elif sid == NOT_ACTIVATION:
-                other = sid_of.get(key)
-                if other is not None and ids[other] == key:
+                if key in sid_of:
                     return False
             else:
                 return False
@@ -345,16 +344,14 @@ class ReplayExecutor(ExecutorBase):
     def _bind(self, i: int, binds: tuple[tuple[int, int], ...], out: Any,
               leaves: list[Any] | None) -> bool:
         table, m = self.table, self.manager
-        ids, sid_of = table.ids, table.sid_of
+        sid_of = table.sid_of
         for leaf_index, sid in binds:
             leaf = out if leaves is None else leaves[leaf_index]
             try:
                 st = leaf.untyped_storage()
             except (RuntimeError, NotImplementedError):
                 return False
-            key = id(st)
-            other = sid_of.get(key)
-            if other is not None and ids[other] == key:
+            if id(st) in sid_of:
                 return False
             table.bind(sid, st, i)
             if sid == 0 and self.first_size < 0:

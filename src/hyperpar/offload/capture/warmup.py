@@ -87,7 +87,7 @@ class WarmupExecutor(ExecutorBase):
         if not name or m.pending_free or timer is None:
             return self.online_op(func, args, kwargs)
         table = self.table
-        sid_of, ids, plain = table.sid_of, table.ids, self._plain
+        sid_of, plain = table.sid_of, self._plain
         kinds: dict[int, AccessKind] = {}
         in_ids: set[int] = set()
         in_sids: list[int] = []
@@ -102,7 +102,7 @@ class WarmupExecutor(ExecutorBase):
             key = id(st)
             in_ids.add(key)
             sid = sid_of.get(key)
-            if sid is not None and ids[sid] == key:
+            if sid is not None:
                 in_sids.append(sid)
                 if sid not in kinds:
                     kinds[sid] = READ
