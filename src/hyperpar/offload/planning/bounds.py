@@ -10,6 +10,8 @@ reachable, so a budget is feasible exactly when it is >= the floor's maximum.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from hyperpar.offload.ir import ActivationTrace
@@ -81,8 +83,16 @@ def min_resident_bytes_timed(trace: ActivationTrace) -> list[int]:
         if usable.any():
             capacity = min(capacity, float((before[usable] + (t_now - ready[usable]) / cost).min()))
         movable = int(base[k]) - floor[k]
-        out[k] = floor[k] + max(0, movable - int(capacity))
+        out[k] = floor[k] + max(0, movable - _whole_bytes(capacity))
     return out
+
+
+def _whole_bytes(capacity: float) -> int:
+    """Bytes a lane can move, from a capacity worked out as time over cost: ``(t - ready) / cost``
+    can land a hair under the integer that ``ready + bytes * cost <= t`` allows (4.1 - 4.0 over
+    0.001 is 99.99999999999964), and truncating it would put the floor above a schedule the
+    simulator times exactly. Rounding up within 1e-9 only lowers a lower bound."""
+    return math.floor(capacity * (1.0 + 1e-9) + 1e-9)
 
 
 def min_feasible_budget_timed(trace: ActivationTrace) -> int:
