@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from .combine import weighted_sum
 from .grouped_gemm import grouped_mm, weight_grad_as
+from .packing import Blocks
 from .routing import ChunkRoute, GradNeeds, RoutePlan, RoutingSetup, build_route_plan
 from .swiglu import swiglu, swiglu_backward_as
 from .workspace import MoeWorkspace
@@ -230,17 +231,17 @@ def route_rows(
     result: Tensor | None = None
     values_back: list[Tensor] = []  # per piece, in its send order
 
-    def add_up(route: ChunkRoute, rows: Tensor) -> None:
+    def add_up(tokens: Tensor, rows: Tensor) -> None:
         nonlocal result
         if result is None:
             result = source.new_zeros(plan.num_tokens, hidden)
         if rows.dtype == result.dtype:
-            result.index_add_(0, route.source_token, rows)
+            result.index_add_(0, tokens, rows)
             return
         # narrower rows (gemm_dtype opt-in) widened a block at a time, added in the same order
         for start in range(0, rows.shape[0], _ADD_BLOCK_ROWS):
             block = slice(start, start + _ADD_BLOCK_ROWS)
-            result.index_add_(0, route.source_token[block], rows[block].to(result.dtype))
+            result.index_add_(0, tokens[block], rows[block].to(result.dtype))
 
     def summed() -> Tensor:
         return source.new_zeros(plan.num_tokens, hidden) if result is None else result
@@ -269,7 +270,7 @@ def route_rows(
                 values_back.append(out_values)
             if summing:
                 assert out is not None
-                add_up(route, out)
+                add_up(route.source_token, out)
             elif return_results:
                 assert out is not None
                 outs.append(out)
@@ -284,58 +285,124 @@ def route_rows(
     # copied out (owned) before its results are written back into the same slice, and its
     # combine lands in its send slice after its dispatch completed: two buffers serve four
     # roles. A wave's combines complete before the next wave's rows reuse the receive buffer.
-    # The values (a few bytes per row) travel in tensors of their own.
+    # Values travel in the same exchanges, packed after each peer's rows (``packing``).
+    assert not return_values or row_values is not None, "returned values take the sent values' dtype"
     waves = _waves(plan)
-    wave_rows = max(sum(r.recv_rows for _, r in wave) for wave in waves)
-    send_all, recv_all = workspace.exchange_buffers(total_rows, wave_rows, hidden, wire)
+    layouts = {c: _PieceLayout.of(route, hidden * wire.itemsize, row_values, return_results, return_values)
+               for c, route in enumerate(plan.chunks)}
+    send_begin, recv_begin = _begins(waves, layouts)
+    send_all, recv_all = workspace.exchange_buffers(
+        total_rows, max(sum(r.recv_rows for _, r in wave) for wave in waves), hidden, wire,
+        send_total=sum(layout.send_rows for layout in layouts.values()),
+        recv_total=max(sum(layouts[c].recv_rows for c, _ in wave) for wave in waves))
 
-    def views(route: ChunkRoute) -> tuple[Tensor, Tensor]:
-        return (send_all[route.send_begin:route.send_begin + route.send_rows],
-                recv_all[route.recv_begin:route.recv_begin + route.recv_rows])
+    def views(c: int) -> tuple[Tensor, Tensor]:
+        return (send_all[send_begin[c]:send_begin[c] + layouts[c].send_rows],
+                recv_all[recv_begin[c]:recv_begin[c] + layouts[c].recv_rows])
 
     for wave in waves:
         dispatches = []
-        for _, route in wave:
-            send, recv = views(route)
-            gather(route, send)
-            values_in = values_work = None
+        for c, route in wave:
+            send, recv = views(c)
+            out_blocks, in_blocks = layouts[c].dispatch
+            index = route.source_token if source_is_tokens else route.order
+            for begin, first, count in out_blocks.spans():
+                torch.index_select(source, 0, index[first:first + count], out=send[begin:begin + count])
             if row_values is not None:
-                values_in = row_values.new_empty(route.recv_rows)
-                values_work = _exchange(values_in, row_values.index_select(0, route.order),
-                                        route.recv_splits, route.send_splits, math)
-            dispatches.append((_exchange(recv, send, route.recv_splits, route.send_splits, math),
-                               values_work, values_in))
+                out_blocks.write_values(send, row_values.index_select(0, route.order))
+            dispatches.append(_exchange(recv[:in_blocks.total], send[:out_blocks.total], in_blocks.splits,
+                                        out_blocks.splits, math))
         combines = []
-        for (c, route), (work, values_work, values_in) in zip(wave, dispatches, strict=True):
-            send, recv = views(route)
+        for (c, route), work in zip(wave, dispatches, strict=True):
+            send, recv = views(c)
+            layout = layouts[c]
             work.wait()
             assert route.recv_to_expert is not None and route.expert_to_recv is not None
+            received = layout.dispatch[1]
+            to_expert = route.recv_to_expert
             values = None
-            if values_work is not None and values_in is not None:
-                values_work.wait()
-                values = values_in.index_select(0, route.recv_to_expert)
-            out, out_values = compute(c, route, recv.index_select(0, route.recv_to_expert), values)
-            if return_results:
-                assert out is not None
-                torch.index_select(out, 0, route.expert_to_recv, out=recv)  # back to source-major
-                combines.append(_exchange(send, recv, route.send_splits, route.recv_splits, math))
+            if row_values is not None:
+                values = received.read_values(recv, row_values.dtype).index_select(0, to_expert)
+            if received.packed:  # the rows skip the value rows between the peers' blocks
+                to_expert = received.row_positions(to_expert.device).index_select(0, to_expert)
+            out, out_values = compute(c, route, recv.index_select(0, to_expert), values)
+            back_out, back_in = layout.combine
+            if return_results or return_values:  # collective: also with nothing to send
+                if return_results:  # back to source-major
+                    assert out is not None
+                    for begin, first, count in back_out.spans():
+                        torch.index_select(out, 0, route.expert_to_recv[first:first + count],
+                                           out=recv[begin:begin + count])
+                if return_values:
+                    assert out_values is not None and row_values is not None
+                    back_out.write_values(recv, out_values.index_select(0, route.expert_to_recv)
+                                          .to(row_values.dtype))
+                combines.append(_exchange(send[:back_in.total], recv[:back_out.total], back_in.splits,
+                                          back_out.splits, math))
             del out  # in the buffer now: not held while after_combine runs
-            if return_values:
-                assert out_values is not None
-                back = out_values.new_empty(route.send_rows)
-                combines.append(_exchange(back, out_values.index_select(0, route.expert_to_recv),
-                                          route.send_splits, route.recv_splits, math))
-                values_back.append(back)
             if after_combine is not None:
                 after_combine(c)
         for work in combines:
             work.wait()
-        if summing:
-            for _, route in wave:
-                add_up(route, views(route)[0])
+        for c, route in wave:
+            back_in = layouts[c].combine[1]
+            if summing:
+                for begin, first, count in back_in.spans():
+                    add_up(route.source_token[first:first + count], views(c)[0][begin:begin + count])
+            if return_values:
+                assert row_values is not None
+                values_back.append(back_in.read_values(views(c)[0], row_values.dtype))
     if return_results and not sum_over_k:
         return unsorted(send_all), None  # every piece's results are in the send buffer, in piece order
     return results()
+
+
+@dataclass(frozen=True)
+class _PieceLayout:
+    """Both exchanges of one piece: (this rank's side, the peers' side) of the dispatch, then
+    (the expert side, the token side) of the combine; a slice of each buffer fits the larger."""
+
+    dispatch: tuple[Blocks, Blocks]
+    combine: tuple[Blocks, Blocks]
+
+    @staticmethod
+    def of(route: ChunkRoute, row_bytes: int, row_values: Tensor | None, return_results: bool,
+           return_values: bool) -> _PieceLayout:
+        sent, received = route.send_splits, route.recv_splits
+        none = [0] * len(sent)
+        value_bytes = 0 if row_values is None else row_values.element_size()
+
+        def blocks(rows: list[int], values: list[int]) -> Blocks:
+            return Blocks.of(rows, values, row_bytes, value_bytes)
+        there = row_values is not None
+        return _PieceLayout(
+            dispatch=(blocks(sent, sent if there else none), blocks(received, received if there else none)),
+            combine=(blocks(received if return_results else none, received if return_values else none),
+                     blocks(sent if return_results else none, sent if return_values else none)))
+
+    @property
+    def send_rows(self) -> int:
+        return max(self.dispatch[0].total, self.combine[1].total)
+
+    @property
+    def recv_rows(self) -> int:
+        return max(self.dispatch[1].total, self.combine[0].total)
+
+
+def _begins(waves: list[list[tuple[int, ChunkRoute]]],
+            layouts: dict[int, _PieceLayout]) -> tuple[dict[int, int], dict[int, int]]:
+    """Each piece's first row in the send buffer (pieces one after another) and in the receive
+    buffer (from the start again every wave); without values, the plan's own offsets."""
+    send_begin: dict[int, int] = {}
+    recv_begin: dict[int, int] = {}
+    send = 0
+    for wave in waves:
+        recv = 0
+        for c, _ in wave:
+            send_begin[c], recv_begin[c] = send, recv
+            send += layouts[c].send_rows
+            recv += layouts[c].recv_rows
+    return send_begin, recv_begin
 
 
 def _joined(parts: list[Tensor], like: Tensor, width: int) -> Tensor:

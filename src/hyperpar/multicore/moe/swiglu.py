@@ -52,14 +52,14 @@ def swiglu_backward(pre: torch.Tensor, grad: torch.Tensor, limit: float | None,
         grad.mul_(column)
         if act is not None and want_activation:
             act.mul_(column)
-    # no [R, I] temporaries beyond silu(gate) (and the activation): the products land in the result
+    # one [R, I] temporary at a time beside the result: silu(gate), then grad * up (silu_backward
+    # in place on a strided half of the result is 1.5x slower than from a contiguous input)
     out = torch.empty_like(pre)
     grad_gate = out[:, :inter]
     grad_up = out[:, inter:]
     torch.mul(grad, silu_gate, out=grad_up)
     del silu_gate
-    torch.mul(grad, up, out=grad_gate)
-    torch.ops.aten.silu_backward(grad_gate, gate, grad_input=grad_gate)
+    torch.ops.aten.silu_backward(grad * up, gate, grad_input=grad_gate)
     if limit is not None:
         raw_gate, raw_up = pre[:, :inter], pre[:, inter:]
         grad_gate.masked_fill_(raw_gate > limit, 0)

@@ -88,19 +88,25 @@ class MoeWorkspace:
             self._arena = torch.empty(need, device=self.device, dtype=torch.uint8)
         return self._arena
 
-    def exchange_buffers(self, send_rows: int, recv_rows: int, hidden: int,
-                         dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """[send_rows, hidden] and [recv_rows, hidden] ``dtype`` views of disjoint parts of the arena
-        (only valid under the lease). A call that needs more bytes than the arena holds replaces
-        it: growth stops at the largest call, which the plan bounds by the capacity."""
+    def exchange_buffers(self, send_rows: int, recv_rows: int, hidden: int, dtype: torch.dtype,
+                         send_total: int | None = None,
+                         recv_total: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """[send_total, hidden] and [recv_total, hidden] ``dtype`` views of disjoint parts of the
+        arena (only valid under the lease) for ``send_rows`` and ``recv_rows`` rows and the rows
+        their values are packed into (the totals; by default none). A call that needs more bytes
+        than the arena holds replaces it: growth stops at the largest call, which the plan
+        bounds by the capacity (plus a few value rows per thousand)."""
         for name, rows in (("send", send_rows), ("recv", recv_rows)):
             if rows > self._capacity_rows[name] or hidden > self.spec.hidden_size:  # pragma: no cover
                 raise AssertionError(f"MoeExperts workspace {name}: {rows}x{hidden} exceeds its capacity "
                                      f"{self._capacity_rows[name]}x{self.spec.hidden_size}")
-        send_bytes = _aligned(send_rows * hidden * dtype.itemsize)
-        recv_bytes = recv_rows * hidden * dtype.itemsize
+        send_total = send_rows if send_total is None else send_total
+        recv_total = recv_rows if recv_total is None else recv_total
+        send_bytes = _aligned(send_total * hidden * dtype.itemsize)
+        recv_bytes = recv_total * hidden * dtype.itemsize
         arena = self._bytes(send_bytes + recv_bytes)
-        return (_view(arena, 0, send_rows, hidden, dtype), _view(arena, send_bytes, recv_rows, hidden, dtype))
+        return (_view(arena, 0, send_total, hidden, dtype),
+                _view(arena, send_bytes, recv_total, hidden, dtype))
 
     def scratch(self, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor | None:
         """An uninitialised [rows, width] ``dtype`` view of the arena for a temporary of the call
