@@ -47,7 +47,7 @@ class ExpertMath:
     group: dist.ProcessGroup | None
     # opt-in: GEMM operands in this dtype (accumulated in float32 by the kernels); SwiGLU, the
     # sums over routes, outputs and gradients in the input's. What is a GEMM operand or result
-    # anyway (the rows on the wire, the saved rows, pre-activations and per-route outputs) is
+    # anyway (the rows on the wire, the saved rows and pre-activations) is
     # kept in this dtype: the same values the input's dtype would hold, in fewer bytes.
     gemm_dtype: torch.dtype | None = None
 
