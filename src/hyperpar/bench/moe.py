@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hyperpar.bench.moe_peers import TORCHTITAN_NOTE, TorchtitanExperts, naive_experts, torchtitan_missing
+from hyperpar.bench.moe_stack import STACK_DTYPE, measure_stack, summarise_stack
 from hyperpar.multicore.moe import MoeExperts, set_grouped_mm_enabled
 
 # Fine-grained experts as in current MoE models (many small experts, larger top-k) and a
@@ -221,6 +222,9 @@ def _rank_main(rank: int, world: int, port: int, sizes: dict[str, dict[str, int]
     try:
         result: dict[str, Any] = {
             name: {d: _measure(rank, world, size, DTYPES[d]) for d in dtypes} for name, size in sizes.items()}
+        if STACK_DTYPE in dtypes:  # the extra row: serial layers sharing one workspace
+            result["stack"] = {name: measure_stack(size, DTYPES[STACK_DTYPE], world, rank, size["steps"],
+                                                   _step_peak_rise) for name, size in sizes.items()}
         first = next(iter(sizes.values()))
         result["workspace_bytes_shared"] = _workspace_sharing(world, first)
         if rank == 0:
@@ -318,6 +322,14 @@ def _print_table(report: dict[str, Any]) -> None:
                 print("    opt-in gemm_dtype=torch.bfloat16 (fp32 in/out/grads, bf16 GEMMs as torchtitan's): "
                       f"{BF16_GEMMS}/torchtitan = {opt_in['median']:.2f} "
                       f"[{opt_in['min']:.2f}-{opt_in['max']:.2f}]; the MoeExperts row is strict fp32")
+    for shape, row in report.get("stack", {}).items():
+        parts = [f"{n} {row['cpu_ms_slowest_rank'][n]:.1f} ms, {m['total_bytes'] / 2**20:.1f} MiB "
+                 f"(rise {m['rise_bytes'] / 2**20:.1f} + kept {m['persistent_bytes'] / 2**20:.1f})"
+                 for n, m in row["memory"].items()]
+        ratio = (f"; MoeExperts/torchtitan = {row['moe_over_torchtitan']:.2f}"
+                 if "moe_over_torchtitan" in row else "")
+        print(f"{shape}, {row['layers']} serial layers ({row['dtype']}, one shared workspace): "
+              + "; ".join(parts) + ratio)
     if not peer["missing"]:
         print(f"  note: {TORCHTITAN_NOTE}")
 
@@ -386,6 +398,7 @@ def run(args: argparse.Namespace) -> int:
         "torchtitan": {"missing": torchtitan_missing(), "note": TORCHTITAN_NOTE},
         "sizes": sizes,
         "summary": {shape: {d: _summarise(runs, shape, d) for d in dtypes} for shape in sizes},
+        "stack": ({shape: summarise_stack(runs, shape) for shape in sizes} if "stack" in runs[0][0] else {}),
         "workspace_bytes_shared": runs[0][0]["workspace_bytes_shared"],
         "grouped_mm_vs_loop": runs[0][0]["grouped_mm_vs_loop"],
         "per_run": runs,

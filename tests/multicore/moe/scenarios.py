@@ -41,6 +41,10 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max()) if a.numel() else 0.0
 
 
+def _max_abs(t: torch.Tensor) -> float:
+    return float(t.abs().max()) if t.numel() else 0.0
+
+
 @contextmanager
 def _recording_waves() -> Iterator[list[int]]:
     """The number of waves of every route plan built inside."""
@@ -132,6 +136,10 @@ def compare_with_reference(rank: int, world: int, cases: list[tuple[Any, ...]]) 
             "weights_grad": _max_diff(w1.grad, w2.grad),
             "gate_up_grad": _max_diff(layer.gate_up_weight.grad, gu_grad[mine.start:mine.stop]),
             "down_grad": _max_diff(layer.down_weight.grad, dn_grad[mine.start:mine.stop]),
+            "scale": {key: _max_abs(t) for key, t in (
+                ("output", ref), ("hidden_grad", x2.grad), ("weights_grad", w2.grad),
+                ("gate_up_grad", gu_grad[mine.start:mine.stop]),
+                ("down_grad", dn_grad[mine.start:mine.stop]))},
             "unused_experts": unused_local,
             "unused_exact_zero": all(
                 bool((layer.gate_up_weight.grad[e] == 0).all() and (layer.down_weight.grad[e] == 0).all())

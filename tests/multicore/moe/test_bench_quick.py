@@ -21,7 +21,7 @@ def _args(*argv: str) -> argparse.Namespace:
 @pytest.mark.slow  # ~20-60 s on 2 shared cores: spawns 2 ranks that import torch (and torchtitan)
 def test_quick_benchmark_writes_results(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "moe.json"
-    argv = ["--quick", "--steps", "1", "--runs", "1", "--dtypes", "float32", "--out", str(out)]
+    argv = ["--quick", "--steps", "1", "--runs", "1", "--dtypes", "float32,bfloat16", "--out", str(out)]
     assert moe.run(_args(*argv)) == 0
     report = json.loads(out.read_text())
     assert report["torch"] and report["machine"]["cpus"] and report["command"]
@@ -36,11 +36,16 @@ def test_quick_benchmark_writes_results(tmp_path: Path, capsys: pytest.CaptureFi
     assert diffs["naive"] < 1e-4  # same math in float32
     assert 1e-5 < diffs[moe.BF16_GEMMS] < 0.1 and all(diffs[p] < 0.1 for p in peer)  # bf16 GEMMs
     assert ("bf16_gemm_opt_in_over_torchtitan" in summary) == bool(peer)
+    stack = report["stack"]["quick"]  # the extra row: serial bf16 layers sharing one workspace
+    assert list(stack["memory"]) == ["MoeExperts", *peer] and stack["layers"] == 4
+    kept = stack["memory"]["MoeExperts"]["persistent_bytes"]
+    assert kept == report["summary"]["quick"]["bfloat16"]["memory"]["MoeExperts"]["persistent_bytes"] > 0
+    assert ("moe_over_torchtitan" in stack) == bool(peer)
     shared = report["workspace_bytes_shared"]
     assert shared["1_layers"] > 0 and shared["1_layers"] == shared["4_layers"] == shared["8_layers"]
     assert (tmp_path / "moe.png").stat().st_size > 0
     printed = capsys.readouterr().out
-    assert "MoeExperts/naive" in printed
+    assert "MoeExperts/naive" in printed and "4 serial layers" in printed
     assert ("the MoeExperts row is strict fp32" in printed) == bool(peer)
     assert ("torchtitan's MoE is NOT measured" in printed) == (not peer)
 

@@ -75,11 +75,13 @@ def _saved_and_kept(rank: int, world: int) -> dict[str, Any]:
 
 
 def test_opt_in_saves_and_sends_rows_in_the_gemm_dtype() -> None:
-    """The opt-in's rows, pre-activations and per-route outputs are bf16 values anyway: they are
+    """The opt-in's rows and pre-activations are bf16 values anyway: they are
     saved as bf16 (visible to saved_tensors_hooks) and travel in a bf16 workspace half the size."""
     for rank, out in run_ranks(_saved_and_kept, 2, timeout=90).items():
         strict, opt_in = out["strict"], out["opt_in"]
         assert opt_in["out_dtype"] == "torch.float32", rank
-        assert opt_in["saved"].count("torch.bfloat16") == 3, (rank, opt_in)  # rows, pre, per-route
+        assert opt_in["saved"].count("torch.bfloat16") == 2, (rank, opt_in)  # rows, pre-activations
         assert "torch.bfloat16" not in strict["saved"] and len(strict["saved"]) == len(opt_in["saved"]), out
-        assert 0 < opt_in["kept"] and opt_in["kept"] * 2 == strict["kept"], (rank, out)
+        # half the rows' bytes; the route weights packed beside the gradient rows are float32 in
+        # both (a row per 8 at this tiny width, H=16 in bf16; a few per thousand at real widths)
+        assert 0 < opt_in["kept"] <= 0.6 * strict["kept"], (rank, out)

@@ -13,13 +13,23 @@ from tests.rank_harness import run_ranks
 SCENARIOS = ("uniform", "skewed", "empty_experts", "single_destination")
 TOLERANCE = {"torch.float64": 1e-12, "torch.float32": 2e-5, "torch.bfloat16": 0.1,  # bf16: gross errors
              "torch.float32/gemm=torch.bfloat16": 0.15}  # bf16 GEMMs, fp32 elsewhere: measured <= 0.09
+# bf16 keeps 8 significant bits: where a value reaches ~10, one unit in its last place is 0.06-0.125,
+# so a result rounded along another path than the reference's (the routing weights' gradient is
+# <dy @ down^T, act> on the expert side, the reference's <dy, act @ down>) differs by that much
+# with the same error against float64. Its tolerance is also 1 % of the largest reference value.
+RELATIVE = {"torch.bfloat16": 0.01}
+
+
+def _tolerance(diffs: dict[str, Any], key: str) -> float:
+    dtype = diffs["dtype"]
+    return max(TOLERANCE[dtype], RELATIVE.get(dtype, 0.0) * diffs["scale"][key])
 
 
 def _check(report: dict[str, Any], label: str) -> None:
     assert report, label
     for case, diffs in report.items():
         for key in ("output", "hidden_grad", "weights_grad", "gate_up_grad", "down_grad"):
-            assert diffs[key] < TOLERANCE[diffs["dtype"]], f"{label} {case}: {key} differs by {diffs[key]}"
+            assert diffs[key] < _tolerance(diffs, key), f"{label} {case}: {key} differs by {diffs[key]}"
         assert diffs["unused_exact_zero"], f"{label} {case}: experts without tokens got nonzero grads"
     if any(case.startswith("empty_experts") for case in report):
         assert any(d["unused_experts"] for c, d in report.items() if c.startswith("empty_experts"))

@@ -1,10 +1,10 @@
-"""The token-side sums over a token's K routes, without ``bmm``.
+"""The token-side sum over a token's K routes, without ``bmm``.
 
-``bmm`` over T batches of a [1, K] x [K, H] (or [K, H] x [H, 1]) product costs several
-times what the same arithmetic does as K broadcast multiply-adds on CPU, in bfloat16
-most of all (measured, 512 tokens, H=512, 1 thread: forward sum 0.6 ms by ``bmm``, 0.2-0.3 ms
-as below; routing-weight gradient 0.6-1.0 ms by ``bmm``, 0.1-0.3 ms by ``vecdot``).
-Reduced-precision sums accumulate in float32 and round once, as ``bmm`` does.
+``bmm`` over T batches of a [1, K] x [K, H] product costs several times what the same
+arithmetic does as K broadcast multiply-adds on CPU, in bfloat16 most of all (measured,
+512 tokens, H=512, 1 thread: 0.6 ms by ``bmm``, 0.2-0.3 ms as below). Reduced-precision sums
+accumulate in float32 and round once, as ``bmm`` does. (The routing weights' gradient is
+taken on the expert side, see ``swiglu.swiglu_backward``.)
 """
 
 from __future__ import annotations
@@ -26,7 +26,3 @@ def weighted_sum(per_route: torch.Tensor, weights: torch.Tensor) -> torch.Tensor
         total.addcmul_(per_route[:, k], scale[:, k:k + 1])
     return total.to(dtype)
 
-
-def route_dots(per_route: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """``out[t, k] = <per_route[t, k], grad[t]>``: per_route [T, K, H], grad [T, H] -> [T, K]."""
-    return torch.stack([torch.linalg.vecdot(per_route[:, k], grad) for k in range(per_route.shape[1])], 1)

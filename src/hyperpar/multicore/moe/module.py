@@ -56,7 +56,7 @@ def _grad_needs(hidden: torch.Tensor, topk_weights: Any, gate_up: Any, down: Any
     weights_grad = isinstance(topk_weights, torch.Tensor) and topk_weights.requires_grad
     experts_grad = gate_up.requires_grad or down.requires_grad
     return GradNeeds(recording=hidden.requires_grad or weights_grad or experts_grad,
-                     hidden=hidden.requires_grad, expert_weights=experts_grad)
+                     hidden=hidden.requires_grad, expert_weights=experts_grad, route_weights=weights_grad)
 
 
 class MoeExperts(MulticoreModule):
@@ -250,9 +250,7 @@ class MoeExperts(MulticoreModule):
             with _disable_current_modes():
                 build_route_plan(self._routing, topk_ids, num_tokens, tokens_per_expert, problems, needs)
                 workspace = self._get_execution_resources(hidden_states)
-        call = MoeCall(self._routing, workspace, self._math, needs,
-                       weights_grad=torch.is_grad_enabled() and isinstance(topk_weights, torch.Tensor)
-                       and topk_weights.requires_grad)
+        call = MoeCall(self._routing, workspace, self._math, needs)
         out = run_moe_experts(hidden_states, num_tokens, topk_ids, topk_weights, gate_up, down,
                               tokens_per_expert, call, problems)
         return out.view(hidden_states.shape)

@@ -53,6 +53,7 @@ class GradNeeds:
     recording: bool = False  # autograd records this call at all
     hidden: bool = False  # hidden_states wants a gradient
     expert_weights: bool = False  # gate_up or down wants a gradient
+    route_weights: bool = False  # topk_weights wants a gradient (taken on the expert side)
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class RoutePlan:
     waves: int = 1  # more than one only when a bounded capacity is exceeded
     backward_dispatch: bool = False  # some EP rank needs expert-side gradients
     backward_combine: bool = False  # some EP rank needs the hidden-state gradient
+    backward_route_weights: bool = False  # some EP rank needs the route weights' gradient
     # [(token, k) row] -> its row among every piece's sorted rows in piece order (the send-side
     # buffer): un-permutes the returned rows with one gather
     unsort: torch.Tensor | None = None
@@ -95,7 +97,7 @@ def is_integer_tensor(tensor: torch.Tensor) -> bool:
 
 # The header every EP rank sends: host facts, then what this rank's topk_ids say (computed on
 # their device, read on the host only once the whole header has been gathered).
-_FIXED = 5  # status, tokens, autograd records, hidden wants a gradient, expert weights want one
+_FIXED = 6  # status, tokens, autograd records; hidden, expert weights, route weights want a gradient
 _LOW, _HIGH, _MISMATCH = _FIXED, _FIXED + 1, _FIXED + 2  # id range, tokens_per_expert differs
 _COUNTS = _FIXED + 3  # then the [chunk, expert] row counts
 
@@ -297,7 +299,7 @@ def build_route_plan(setup: RoutingSetup, topk_ids: torch.Tensor, num_tokens: in
                else torch.zeros(_COUNTS - _FIXED + width, dtype=torch.int64, device=_exchange_device(setup)))
     needs = grad_needs or GradNeeds()
     fixed = [_BAD_INPUT if problems else _OK, num_tokens, int(needs.recording), int(needs.hidden),
-             int(needs.expert_weights)]
+             int(needs.expert_weights), int(needs.route_weights)]
     gathered = _exchange_header(setup, fixed, checked)
     rows = gathered.tolist()
     problems += _data_problems(setup, rows[setup.ep_rank], tokens_per_expert, local)
@@ -312,7 +314,8 @@ def build_route_plan(setup: RoutingSetup, topk_ids: torch.Tensor, num_tokens: in
             f"{[r for r, v in enumerate(recording) if not v]}; the backward is collective, so every "
             "EP rank must run the layer with the same grad mode and trainable inputs")
     backward_combine = any(row[3] for row in rows)
-    backward_dispatch = backward_combine or any(row[4] for row in rows)
+    backward_route_weights = any(row[5] for row in rows)
+    backward_dispatch = backward_combine or backward_route_weights or any(row[4] for row in rows)
 
     assert local is not None
     counts_all = gathered[:, _COUNTS:].view(setup.ep_size, setup.chunks, setup.ep_size, setup.local_experts)
@@ -325,7 +328,8 @@ def build_route_plan(setup: RoutingSetup, topk_ids: torch.Tensor, num_tokens: in
     return RoutePlan(num_tokens=num_tokens, top_k=setup.top_k, chunks=tuple(chunk_routes),
                      recv_rows=int(recv_per_rank[setup.ep_rank]), max_recv_rows=int(recv_per_rank.max()),
                      waves=per_wave.shape[0],
-                     backward_dispatch=backward_dispatch, backward_combine=backward_combine, unsort=unsort)
+                     backward_dispatch=backward_dispatch, backward_combine=backward_combine,
+                     backward_route_weights=backward_route_weights, unsort=unsort)
 
 
 def _pieces(setup: RoutingSetup, counts_all: torch.Tensor, per_wave: torch.Tensor,

@@ -4,10 +4,13 @@ One workspace serves every layer of a shared stack because layers run one at a t
 and nothing a layer saves for backward points into it; the lease turns a violation of
 that (two calls at once) into an error instead of silent corruption.
 
-The buffers are raw bytes grown to the largest call seen, not allocated at capacity: a
-lossless receive buffer at capacity is ``ep_size`` times what balanced routing uses, and
-those bytes are kept between steps. Bytes, so one workspace serves layers whose rows
-travel in different dtypes (the ``gemm_dtype`` opt-in sends its rows in that dtype).
+The buffers are one arena of raw bytes grown to the largest call seen, not allocated at
+capacity: a lossless receive buffer at capacity is ``ep_size`` times what balanced routing
+uses, and those bytes are kept between steps. Bytes, so one workspace serves layers whose
+rows travel in different dtypes (the ``gemm_dtype`` opt-in sends its rows in that dtype).
+One arena rather than a send and a receive buffer, so that once a call's exchanges have
+completed its backward can park one large temporary in all of it (``scratch``) instead of
+allocating it beside the kept bytes at the step's peak.
 """
 
 from __future__ import annotations
@@ -58,8 +61,9 @@ class PendingBackward:
 
 
 class MoeWorkspace:
-    """A send and a receive buffer per binding, each grown to the largest call seen (at most
-    its capacity: ``capacity_rows`` of the widest dtype a member sends)."""
+    """One arena holding a call's send and receive buffers, grown to the largest call seen (the
+    exchange part at most its capacity: ``capacity_rows`` received and ``send_rows`` sent rows of
+    the widest dtype a member sends)."""
 
     def __init__(self, spec: WorkspaceSpec, device: torch.device) -> None:
         self.spec = spec
@@ -72,29 +76,53 @@ class MoeWorkspace:
         # expert outputs out. One rank alone needs no buffers (route_rows never asks).
         self._capacity_rows = {"send": spec.send_rows, "recv": spec.capacity_rows}
         # Allocated on first use, inside the layer's op: binding can happen inside an
-        # OffloadSession, whose tracer must never take these buffers for activations.
-        self._buffers: dict[str, torch.Tensor] = {}
+        # OffloadSession, whose tracer must never take these bytes for activations.
+        self._arena: torch.Tensor | None = None
 
-    def buffer(self, name: str, rows: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
-        """A [rows, hidden] ``dtype`` view at the start of buffer ``name`` (only valid under the
-        lease). A call that needs more bytes than the buffer holds replaces it (its contents are
-        not kept): growth stops at the largest call, which the plan bounds by the capacity."""
+    def _bytes(self, need: int) -> torch.Tensor:
+        """The arena, replaced by a larger one (contents not kept) when it holds fewer than ``need``."""
         if self._closed:
             raise RuntimeError("MoeExperts workspace is closed")
-        if rows > self._capacity_rows[name] or hidden > self.spec.hidden_size:
-            raise AssertionError(f"MoeExperts workspace {name}: {rows}x{hidden} exceeds its capacity "
-                                 f"{self._capacity_rows[name]}x{self.spec.hidden_size}")  # pragma: no cover
-        need = rows * hidden * dtype.itemsize
-        full = self._buffers.get(name)
-        if full is None or full.numel() < need:
-            self._buffers.pop(name, None)  # freed before the larger one is allocated
-            full = self._buffers[name] = torch.empty(need, device=self.device, dtype=torch.uint8)
-        return full[:need].view(dtype).view(rows, hidden)
+        if self._arena is None or self._arena.numel() < need:
+            self._arena = None  # freed before the larger one is allocated
+            self._arena = torch.empty(need, device=self.device, dtype=torch.uint8)
+        return self._arena
+
+    def exchange_buffers(self, send_rows: int, recv_rows: int, hidden: int, dtype: torch.dtype,
+                         send_total: int | None = None,
+                         recv_total: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """[send_total, hidden] and [recv_total, hidden] ``dtype`` views of disjoint parts of the
+        arena (only valid under the lease) for ``send_rows`` and ``recv_rows`` rows and the rows
+        their values are packed into (the totals; by default none). A call that needs more bytes
+        than the arena holds replaces it: growth stops at the largest call, which the plan
+        bounds by the capacity (plus a few value rows per thousand)."""
+        for name, rows in (("send", send_rows), ("recv", recv_rows)):
+            if rows > self._capacity_rows[name] or hidden > self.spec.hidden_size:  # pragma: no cover
+                raise AssertionError(f"MoeExperts workspace {name}: {rows}x{hidden} exceeds its capacity "
+                                     f"{self._capacity_rows[name]}x{self.spec.hidden_size}")
+        send_total = send_rows if send_total is None else send_total
+        recv_total = recv_rows if recv_total is None else recv_total
+        send_bytes = _aligned(send_total * hidden * dtype.itemsize)
+        recv_bytes = recv_total * hidden * dtype.itemsize
+        arena = self._bytes(send_bytes + recv_bytes)
+        return (_view(arena, 0, send_total, hidden, dtype),
+                _view(arena, send_bytes, recv_total, hidden, dtype))
+
+    def scratch(self, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """An uninitialised [rows, width] ``dtype`` view of the arena for a temporary of the call
+        holding the lease, once its exchanges have completed (it overwrites their buffers), or
+        None: no arena yet (nothing communicates), or more bytes than the exchange capacity. The
+        arena grows to hold it, so a call's temporary can cost kept bytes only up to that bound."""
+        need = rows * width * dtype.itemsize
+        limit = (self.spec.send_rows + self.spec.capacity_rows) * self.spec.hidden_size * dtype.itemsize
+        if self._arena is None or need > limit:
+            return None
+        return _view(self._bytes(need), 0, rows, width, dtype)
 
     @property
     def nbytes(self) -> int:
-        """Bytes the buffers hold now (none before the first call that communicates)."""
-        return sum(b.numel() for b in self._buffers.values())
+        """Bytes the arena holds now (none before the first call that communicates)."""
+        return 0 if self._arena is None else self._arena.numel()
 
     @contextmanager
     def lease(self, what: str) -> Iterator[None]:
@@ -133,7 +161,7 @@ class MoeWorkspace:
             raise RuntimeError(
                 f"MoeExperts workspace cannot close: call in progress={self._holder is not None}, "
                 f"pending backward graphs={self._pending}; run or free them first")
-        self._buffers.clear()
+        self._arena = None
         self._closed = True
 
     @property
@@ -143,3 +171,14 @@ class MoeWorkspace:
     def lifecycle_signature(self) -> tuple[object, ...]:
         s = self.spec
         return ("MoeWorkspace", s.hidden_size, s.send_rows, s.capacity_rows, s.ep_size, self.device.type)
+
+
+_ALIGN = 64  # every view starts at a cache-line boundary (``torch._grouped_mm`` needs 16 bytes)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _view(arena: torch.Tensor, begin: int, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+    return arena[begin:begin + rows * width * dtype.itemsize].view(dtype).view(rows, width)
