@@ -353,7 +353,10 @@ def route_rows(
                 assert row_values is not None
                 values_back.append(back_in.read_values(views(c)[0], row_values.dtype))
     if return_results and not sum_over_k:
-        return unsorted(send_all), None  # every piece's results are in the send buffer, in piece order
+        # every piece's results are in the send buffer, in piece order, with no value rows
+        # between pieces (values sent out would leave gaps that ``plan.unsort`` does not know)
+        assert row_values is None and not return_values, "un-permuted results travel without values"
+        return unsorted(send_all), None
     return results()
 
 
