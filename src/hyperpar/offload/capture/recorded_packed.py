@@ -23,7 +23,8 @@ def _q(a: np.ndarray) -> array:
 def timed_durations(durations: array, timer: OpTimer | None, begin: array, end: array,
                     gaps_ms: Any) -> array:
     """Per op: its time between the timer's marks plus the host gap before it (0 on device
-    events), as ``recorded_trace`` computes it; ``durations`` as recorded without a timer."""
+    events), as ``recorded_trace`` computes it; ``durations``: those of the ops recorded
+    without a timer (they come first), as measured."""
     if timer is None or not len(end):
         return durations
     times = np.array(timer.times_ms(), dtype=np.float64)
@@ -31,8 +32,7 @@ def timed_durations(durations: array, timer: OpTimer | None, begin: array, end: 
     out = np.maximum(times[ends] - times[begins], 0.0)
     if not timer.use_events:
         out = out + np.array(gaps_ms[-len(out):], dtype=np.float64)
-    lead = len(durations) - len(out)  # ops recorded without marks keep their own durations
-    return array("d", list(durations[:lead]) + out.tolist())
+    return array("d", list(durations) + out.tolist())
 
 
 def packed_recording(columns: TraceColumns, durations: array, table: ActivationTable, moved_sids: set[int],

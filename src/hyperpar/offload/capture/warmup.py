@@ -42,15 +42,29 @@ READ, WRITE = AccessKind.READ, AccessKind.WRITE
 Tensor = torch.Tensor
 _STRIDED = torch.strided
 _perf_counter = time.perf_counter
-_FAST: dict[Any, str] = {}  # func -> its name if it takes the fused path, else "" (one lookup an op)
+_ref = weakref.ref
 
 
-def _fast(func: Any) -> str:
-    fast = _FAST.get(func)
-    if fast is None:
-        fast = _FAST[func] = op_name(func) if (isinstance(func, OpOverload) and op_kind(func) == PLAIN
-                                               and not mutates(func) and not nested_tensors(func)) else ""
-    return fast
+class _Fused:
+    """What the fused path needs to know of an op, found with one lookup by ``id(func)`` (an
+    OpOverload hashes in Python, a call of its own at every dict lookup)."""
+
+    __slots__ = ("func", "name", "ratio")
+
+    def __init__(self, func: Any) -> None:
+        self.func = func  # held: the id stays this op's
+        fused = (isinstance(func, OpOverload) and op_kind(func) == PLAIN and not mutates(func)
+                 and not nested_tensors(func))
+        self.name = op_name(func) if fused else ""  # "": the op takes ``online_op``
+        self.ratio = 0.0 if getattr(func, "is_view", False) else 1.0  # bytes made per byte read, at first
+
+
+_FUSED: dict[int, _Fused] = {}
+
+
+def _fused(func: Any) -> _Fused:
+    op = _FUSED[id(func)] = _Fused(func)
+    return op
 
 
 class WarmupExecutor(ExecutorBase):
@@ -61,13 +75,14 @@ class WarmupExecutor(ExecutorBase):
         self.recording = True
         self.columns = TraceColumns()
         self.keys = self.columns.keys
-        self.durations = array("d")  # as recorded; with a timer, from its marks at the end
+        self.durations = array("d")  # of ops recorded without a timer (with one, from its marks)
         self._marks_begin, self._marks_end = array("q"), array("q")
 
     def record_op(self, state: OpState, duration_ms: float, kinds: dict[int, AccessKind], leaf_count: int,
                   bindings: dict[int, int], meta: tuple[Any, ...]) -> None:
         self.columns.add(state.name, state.key, kinds, leaf_count, bindings, meta, state.in_sids)
-        self.durations.append(duration_ms)
+        if self.timer is None:
+            self.durations.append(duration_ms)
 
     def _op_duration(self, state: OpState) -> float:
         timer = self.timer
@@ -80,16 +95,18 @@ class WarmupExecutor(ExecutorBase):
     def run_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``online_op`` fused for the common op (see the module docstring)."""
         entered = _perf_counter()
-        name = _FAST.get(func)
-        if name is None:
-            name = _fast(func)
+        fid = id(func)
+        op = _FUSED.get(fid)
+        if op is None:
+            op = _fused(func)
+        name = op.name
         m, timer = self.manager, self.timer
         if not name or m.pending_free or timer is None:
             return self.online_op(func, args, kwargs)
         table = self.table
         sid_of, plain = table.sid_of, self._plain
         kinds: dict[int, AccessKind] = {}
-        in_ids: set[int] = set()
+        in_ids: list[int] = []
         in_sids: list[int] = []
         in_bytes = 0
         for t in args:
@@ -100,7 +117,7 @@ class WarmupExecutor(ExecutorBase):
             except (RuntimeError, NotImplementedError):  # no storage: the op pins, online_op knows how
                 return self.online_op(func, args, kwargs)
             key = id(st)
-            in_ids.add(key)
+            in_ids.append(key)
             sid = sid_of.get(key)
             if sid is not None:
                 in_sids.append(sid)
@@ -108,14 +125,17 @@ class WarmupExecutor(ExecutorBase):
                     kinds[sid] = READ
             else:
                 in_sids.append(NOT_ACTIVATION)
-                plain[key] = weakref.ref(st)
+                p = plain.get(key)
+                if p is None or p() is not st:  # a parameter is seen again every step: its ref stays
+                    plain[key] = _ref(st)
             if t.layout is _STRIDED:
                 in_bytes += t.nbytes
-        if kinds and m.entries:
+        reads = len(kinds)
+        if reads and m.entries:
             self._bring_in(kinds)
-        ratio = self._out_ratio.get(func)
+        ratio = self._out_ratio.get(fid)
         if ratio is None:
-            ratio = 0.0 if func.is_view else 1.0
+            ratio = op.ratio
         target = self.budget_bytes - int(ratio * in_bytes)
         if table.live_bytes - m.away_bytes > target:
             self.enforce_budget(kinds, target=target)
@@ -123,21 +143,28 @@ class WarmupExecutor(ExecutorBase):
         i = self.index
         self.index = i + 1
         self._current = name
-        begin = timer.mark()
-        out = func(*args, **kwargs)
-        self._marks_end.append(timer.mark())
+        marks = timer.host_marks
+        if marks is not None:  # the timer's ``mark``, inline
+            begin = len(marks)
+            marks.append(_perf_counter())
+            out = func(*args, **kwargs)
+            self._marks_end.append(len(marks))
+            marks.append(_perf_counter())
+        else:
+            begin = timer.mark()
+            out = func(*args, **kwargs)
+            self._marks_end.append(timer.mark())
         self._marks_begin.append(begin)
         leaves = [out] if isinstance(out, Tensor) else output_leaves(out)
         meta, bindings, pin, fresh, rewritten = self.bind_outputs(func, i, kinds, in_ids, in_bytes, leaves)
         if pin:
             self.pin_sids(kinds)
-        if rewritten:  # no input is written (see ``_fast``): only an older activation that came out
+        if rewritten:  # no input is written (see ``_Fused``): only an older activation that came out
             self.refresh_written(kinds, fresh)
         resident = table.live_bytes - m.away_bytes
         if resident > self.peak_bytes:
             self.peak_bytes, self.peak_op = resident, i
-        self.columns.add(name, func, kinds, len(leaves), bindings, meta, tuple(in_sids))
-        self.durations.append(0.0)
+        self.columns.add(name, func, kinds, len(leaves), bindings, meta, in_sids, reads)
         self._last_exit = _perf_counter()
         return out
 
