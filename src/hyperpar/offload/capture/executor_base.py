@@ -45,7 +45,7 @@ _KIND: dict[Any, int] = {}
 # re-allocates itself with storage.resize_ (behind the dispatcher): never ours to move.
 _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "fsdp"})
 _NAMES: dict[Any, str] = {}
-_DTYPE_NAMES: dict[torch.dtype, str] = {}
+DTYPE_NAMES: dict[torch.dtype, str] = {}  # dtype -> str(dtype), as output meta records it
 
 
 def op_kind(func: Any) -> int:
@@ -60,6 +60,13 @@ def op_name(func: Any) -> str:
     name = _NAMES.get(func)
     if name is None:
         name = _NAMES[func] = str(func)
+    return name
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = DTYPE_NAMES[dtype] = str(dtype)
     return name
 
 
@@ -268,10 +275,7 @@ class ExecutorBase:
                 meta.append(None)
                 continue
             dtype = leaf.dtype
-            name = _DTYPE_NAMES.get(dtype)
-            if name is None:
-                name = _DTYPE_NAMES[dtype] = str(dtype)
-            meta.append((tuple(leaf.shape), name))
+            meta.append((tuple(leaf.shape), DTYPE_NAMES.get(dtype) or dtype_name(dtype)))
             try:
                 st = leaf.untyped_storage()
             except (RuntimeError, NotImplementedError):

@@ -10,6 +10,7 @@ older activations) handed to the shared methods.
 
 from __future__ import annotations
 
+import heapq
 import time
 import weakref
 from array import array
@@ -19,9 +20,11 @@ import torch
 from torch._ops import OpOverload
 
 from hyperpar.offload.capture.executor_base import (
+    DTYPE_NAMES,
     PLAIN,
     ExecutorBase,
     OpState,
+    dtype_name,
     internal,
     op_kind,
     op_name,
@@ -43,13 +46,15 @@ Tensor = torch.Tensor
 _STRIDED = torch.strided
 _perf_counter = time.perf_counter
 _ref = weakref.ref
+_heappush = heapq.heappush
+_OVERLOAD_CALL = OpOverload.__call__
 
 
 class _Fused:
     """What the fused path needs to know of an op, found with one lookup by ``id(func)`` (an
     OpOverload hashes in Python, a call of its own at every dict lookup)."""
 
-    __slots__ = ("func", "name", "ratio")
+    __slots__ = ("call", "func", "name", "ratio")
 
     def __init__(self, func: Any) -> None:
         self.func = func  # held: the id stays this op's
@@ -57,6 +62,8 @@ class _Fused:
                  and not nested_tensors(func))
         self.name = op_name(func) if fused else ""  # "": the op takes ``online_op``
         self.ratio = 0.0 if getattr(func, "is_view", False) else 1.0  # bytes made per byte read, at first
+        # What OpOverload.__call__ calls (one Python frame less), where the class keeps that call.
+        self.call = func._op if fused and type(func).__call__ is _OVERLOAD_CALL else func
 
 
 _FUSED: dict[int, _Fused] = {}
@@ -106,7 +113,6 @@ class WarmupExecutor(ExecutorBase):
         table = self.table
         sid_of, plain = table.sid_of, self._plain
         kinds: dict[int, AccessKind] = {}
-        in_ids: list[int] = []
         in_sids: list[int] = []
         in_bytes = 0
         for t in args:
@@ -117,7 +123,6 @@ class WarmupExecutor(ExecutorBase):
             except (RuntimeError, NotImplementedError):  # no storage: the op pins, online_op knows how
                 return self.online_op(func, args, kwargs)
             key = id(st)
-            in_ids.append(key)
             sid = sid_of.get(key)
             if sid is not None:
                 in_sids.append(sid)
@@ -147,26 +152,73 @@ class WarmupExecutor(ExecutorBase):
         if marks is not None:  # the timer's ``mark``, inline
             begin = len(marks)
             marks.append(_perf_counter())
-            out = func(*args, **kwargs)
+            out = op.call(*args, **kwargs)
             self._marks_end.append(len(marks))
             marks.append(_perf_counter())
         else:
             begin = timer.mark()
-            out = func(*args, **kwargs)
+            out = op.call(*args, **kwargs)
             self._marks_end.append(timer.mark())
         self._marks_begin.append(begin)
-        leaves = [out] if isinstance(out, Tensor) else output_leaves(out)
-        meta, bindings, pin, fresh, rewritten = self.bind_outputs(func, i, kinds, in_ids, in_bytes, leaves)
-        if pin:
+        if isinstance(out, Tensor):
+            self._bind_one(op, i, kinds, reads, in_sids, in_bytes, out)
+        else:
+            leaves = output_leaves(out)
+            in_ids = [id(t.untyped_storage()) for t in args if isinstance(t, Tensor)]
+            meta, bindings, pin, fresh, rewritten = self.bind_outputs(func, i, kinds, in_ids, in_bytes,
+                                                                      leaves)
+            if pin:
+                self.pin_sids(kinds)
+            if rewritten:  # no input is written (see ``_Fused``): only an older activation that came out
+                self.refresh_written(kinds, fresh)
+            self.note_peak(i)
+            self.columns.add(name, func, kinds, len(leaves), bindings, meta, in_sids, reads)
+        self._last_exit = _perf_counter()
+        return out
+
+    def _bind_one(self, op: _Fused, i: int, kinds: dict[int, AccessKind], reads: int, in_sids: list[int],
+                  in_bytes: int, out: Tensor) -> None:
+        """``bind_outputs`` and the rest of the op for its one tensor output, without the lists
+        and dicts that several outputs need. ``kinds`` holds just the inputs here, so an output
+        storage with a sid in it is an input's (a view) and one in ``_plain`` is an input's or
+        a parameter's: neither is new."""
+        dtype = out.dtype
+        meta = ((tuple(out.shape), DTYPE_NAMES.get(dtype) or dtype_name(dtype)),)
+        bound = -1
+        table, m = self.table, self.manager
+        try:
+            st = out.untyped_storage()
+        except (RuntimeError, NotImplementedError):
             self.pin_sids(kinds)
-        if rewritten:  # no input is written (see ``_Fused``): only an older activation that came out
-            self.refresh_written(kinds, fresh)
+        else:
+            st_id = id(st)
+            sid = table.sid_of.get(st_id)
+            if sid is not None:
+                if sid not in kinds:  # an older activation came out: written
+                    kinds[sid] = WRITE
+                    self.refresh_written(kinds, len(table.ids))
+            else:
+                p = self._plain.get(st_id)
+                if (p is None or p() is not st) and st.device == self.device:  # else: a fake tensor's, meta
+                    nbytes = st.nbytes()
+                    if nbytes:
+                        if in_bytes:
+                            made = nbytes / in_bytes
+                            ratios, fid = self._out_ratio, id(op.func)
+                            if made > ratios.get(fid, 0.0):
+                                if fid not in ratios:
+                                    self._ratio_keys.append(op.func)
+                                ratios[fid] = made
+                        bound = table.bind_new(st, nbytes, i)
+                        kinds[bound] = WRITE
+                        if out.layout is _STRIDED and not out.is_quantized and not out.is_nested:
+                            _heappush(self._heap, (i, -nbytes, bound))
+                        else:  # see ``bind_outputs``
+                            table.pinned.add(bound)
         resident = table.live_bytes - m.away_bytes
         if resident > self.peak_bytes:
             self.peak_bytes, self.peak_op = resident, i
-        self.columns.add(name, func, kinds, len(leaves), bindings, meta, in_sids, reads)
-        self._last_exit = _perf_counter()
-        return out
+        self.columns.add_one(op.name, op.func, kinds, reads, in_sids, meta, bound)
 
     def begin_opaque(self, name: str, reads: list[torch.UntypedStorage]) -> OpState:
         return self.online_begin_opaque(name, reads)

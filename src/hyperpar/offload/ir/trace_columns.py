@@ -85,6 +85,27 @@ class TraceColumns:
         meta_index = ids.setdefault(meta, len(ids))
         self._per_op.extend((accesses, leaf_count, len(bindings), len(in_sids), meta_index))
 
+    def add_one(self, name: str, key: Any, kinds: dict[int, AccessKind], reads: int, in_sids: Sequence[int],
+                meta: tuple[LeafMeta, ...], bound: int) -> None:
+        """``add`` for an op with one output leaf, bound to sid ``bound`` unless it is -1, whose
+        first ``reads`` accesses read and the rest write."""
+        self.names.append(name)
+        self.keys.append(key)
+        accesses = len(kinds)
+        if accesses:
+            self.access_sid.extend(kinds)
+            if reads <= _RUN and accesses - reads <= _RUN:
+                self.access_write.extend(_READS_WRITES[_RUN - reads:_RUN + accesses - reads])
+            else:
+                self.access_write.extend([kind is WRITE for kind in kinds.values()])
+        if bound >= 0:
+            self.bind_leaf.append(0)
+            self.bind_sid.append(bound)
+        self.input_sid.extend(in_sids)
+        ids = self._meta_ids
+        meta_index = ids.setdefault(meta, len(ids))
+        self._per_op.extend((accesses, 1, bound >= 0, len(in_sids), meta_index))
+
     def structure(self) -> TraceStructure:
         per_op = np.array(self._per_op, dtype=np.int64).reshape(-1, _PER_OP)
 
