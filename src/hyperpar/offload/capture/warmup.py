@@ -82,19 +82,23 @@ class WarmupExecutor(ExecutorBase):
         self.recording = True
         self.columns = TraceColumns()
         self.keys = self.columns.keys
-        self.durations = array("d")  # of ops recorded without a timer (with one, from its marks)
+        # Per op in recorded order: its time on the host clock (0.0 for one timed by device
+        # events, whose marks give it at the end of the step).
+        self.durations: list[float] = []
         self._marks_begin, self._marks_end = array("q"), array("q")
 
     def record_op(self, state: OpState, duration_ms: float, kinds: dict[int, AccessKind], leaf_count: int,
                   bindings: dict[int, int], meta: tuple[Any, ...]) -> None:
         self.columns.add(state.name, state.key, kinds, leaf_count, bindings, meta, state.in_sids)
-        if self.timer is None:
-            self.durations.append(duration_ms)
+        self.durations.append(duration_ms)
 
     def _op_duration(self, state: OpState) -> float:
         timer = self.timer
         if timer is None:
             return super()._op_duration(state)
+        marks = timer.host_marks
+        if marks is not None:  # the host clock: the op is done, its time is known now
+            return (_perf_counter() - marks[int(state.t0)]) * 1e3
         self._marks_begin.append(int(state.t0))
         self._marks_end.append(timer.mark())
         return 0.0
@@ -148,18 +152,15 @@ class WarmupExecutor(ExecutorBase):
         i = self.index
         self.index = i + 1
         self._current = name
-        marks = timer.host_marks
-        if marks is not None:  # the timer's ``mark``, inline
-            begin = len(marks)
-            marks.append(_perf_counter())
+        if timer.host_marks is not None:  # the host clock: no marks, the time now
+            begin = _perf_counter()
             out = op.call(*args, **kwargs)
-            self._marks_end.append(len(marks))
-            marks.append(_perf_counter())
+            self.durations.append((_perf_counter() - begin) * 1e3)
         else:
-            begin = timer.mark()
+            self._marks_begin.append(timer.mark())
             out = op.call(*args, **kwargs)
             self._marks_end.append(timer.mark())
-        self._marks_begin.append(begin)
+            self.durations.append(0.0)
         if isinstance(out, Tensor):
             self._bind_one(op, i, kinds, reads, in_sids, in_bytes, out)
         else:
