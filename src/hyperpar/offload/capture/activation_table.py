@@ -66,6 +66,20 @@ class ActivationTable:
         self.producer.append(-1)
         return len(self.refs) - 1
 
+    def bind_new(self, storage: torch.UntypedStorage, nbytes: int, producer: int) -> int:
+        """``bind`` of a new sid (what ``new_sid`` then ``bind`` do, in one call: warmup makes
+        one per new storage, on every op)."""
+        ref = _StorageRef(storage, self._dead_cb)
+        sid = ref.sid = len(self.refs)
+        self.refs.append(ref)
+        key = id(storage)
+        self.ids.append(key)
+        self.sid_of[key] = sid
+        self.nbytes.append(nbytes)
+        self.producer.append(producer)
+        self.live_bytes += nbytes
+        return sid
+
     def bind(self, sid: int, storage: torch.UntypedStorage, producer: int) -> None:
         ref = _StorageRef(storage, self._dead_cb)
         ref.sid = sid

@@ -20,6 +20,7 @@ from __future__ import annotations
 import heapq
 import time
 import weakref
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ from hyperpar.offload.runtime.copy_engine import CopySpan
 READ, WRITE = AccessKind.READ, AccessKind.WRITE
 Tensor = torch.Tensor
 _STRIDED = torch.strided
+_heappush = heapq.heappush
 
 # func -> how the op treats its buffers (cached: this is on every op's path of warmup).
 PLAIN, COLLECTIVE = 0, 1
@@ -43,7 +45,7 @@ _KIND: dict[Any, int] = {}
 # re-allocates itself with storage.resize_ (behind the dispatcher): never ours to move.
 _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "fsdp"})
 _NAMES: dict[Any, str] = {}
-_DTYPE_NAMES: dict[torch.dtype, str] = {}
+DTYPE_NAMES: dict[torch.dtype, str] = {}  # dtype -> str(dtype), as output meta records it
 
 
 def op_kind(func: Any) -> int:
@@ -61,13 +63,15 @@ def op_name(func: Any) -> str:
     return name
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    name = DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = DTYPE_NAMES[dtype] = str(dtype)
+    return name
+
+
 def _neg_bytes(item: tuple[int, Any, int, Any]) -> int:
     return -item[0]
-
-
-def fully_visible(leaf: Tensor) -> bool:
-    """Whether every reader of this tensor's storage goes through the dispatcher."""
-    return leaf.layout is _STRIDED and not leaf.is_quantized and not leaf.is_nested
 
 
 class OpState:
@@ -111,7 +115,10 @@ class ExecutorBase:
         self.moved_sids: set[int] = set()
         self._plain: dict[int, weakref.ref] = {}  # storages first seen as inputs: not activations
         self._heap: list[tuple[int, int, int]] = []  # (producer op, -bytes, sid): eviction order
-        self._out_ratio: dict[Any, float] = {}  # op -> most bytes it made per input byte
+        # id(op) -> most bytes it made per input byte (by id: an OpOverload hashes in Python);
+        # ``_ratio_keys`` holds those ops, so that each id stays its op's.
+        self._out_ratio: dict[int, float] = {}
+        self._ratio_keys: list[Any] = []
         self._gaps_ms: list[float] = []  # host time between the previous op's return and this op
         self._last_exit = time.perf_counter()
         # On an accelerator without a timer an op is timed by events (the device's own time).
@@ -204,7 +211,7 @@ class ExecutorBase:
         in_bytes = sum(t.nbytes for t in inputs if t.layout is _STRIDED)
         # Room for what the op is about to allocate: as much as it made per input byte before
         # (a view op makes nothing; another op, at first, as much as it reads).
-        ratio = self._out_ratio.get(key)
+        ratio = self._out_ratio.get(id(key))
         if ratio is None:
             ratio = 0.0 if getattr(key, "is_view", False) else 1.0
         self.enforce_budget(kinds, target=self.budget_bytes - int(ratio * in_bytes))
@@ -250,13 +257,14 @@ class ExecutorBase:
         if self.recording:
             self.record_op(state, duration_ms, kinds, len(leaves), bindings, meta)
 
-    def bind_outputs(self, key: Any, i: int, kinds: dict[int, AccessKind], in_ids: set[int], in_bytes: int,
-                     leaves: list[Any]) -> tuple[tuple[Any, ...], dict[int, int], bool, int, bool]:
+    def bind_outputs(self, key: Any, i: int, kinds: dict[int, AccessKind], in_ids: Collection[int],
+                     in_bytes: int, leaves: list[Any],
+                     ) -> tuple[tuple[Any, ...], dict[int, int], bool, int, bool]:
         """Op ``i``'s outputs: new storages bound to new sids (largest first), older activations
         among them marked written in ``kinds``. Returns (output meta, leaf -> sid bindings,
         whether to pin, the first new sid, whether an older activation came out)."""
         table = self.table
-        sid_of, ids, plain = table.sid_of, table.ids, self._plain
+        sid_of, plain = table.sid_of, self._plain
         dev = self.device
         meta: list[Any] = []
         new: list[tuple[int, torch.UntypedStorage, int, Tensor]] = []  # (bytes, storage, leaf, tensor)
@@ -267,10 +275,7 @@ class ExecutorBase:
                 meta.append(None)
                 continue
             dtype = leaf.dtype
-            name = _DTYPE_NAMES.get(dtype)
-            if name is None:
-                name = _DTYPE_NAMES[dtype] = str(dtype)
-            meta.append((tuple(leaf.shape), name))
+            meta.append((tuple(leaf.shape), DTYPE_NAMES.get(dtype) or dtype_name(dtype)))
             try:
                 st = leaf.untyped_storage()
             except (RuntimeError, NotImplementedError):
@@ -290,24 +295,31 @@ class ExecutorBase:
             if (p is not None and p() is st) or st.device != dev:  # a fake tensor: meta
                 continue
             nbytes = st.nbytes()
-            if nbytes and not any(s is st for _, s, _, _ in new):
+            if nbytes and (not new or all(s is not st for _, s, _, _ in new)):
                 new.append((nbytes, st, li, leaf))
-        fresh = len(ids)
+        fresh = len(table.ids)
         if new:
             if len(new) > 1:
                 new.sort(key=_neg_bytes)
+                made = sum(x[0] for x in new)
+            else:
+                made = new[0][0]
             if in_bytes:
-                made = sum(x[0] for x in new) / in_bytes
-                if made > self._out_ratio.get(key, 0.0):
-                    self._out_ratio[key] = made
+                ratios, kid = self._out_ratio, id(key)
+                made /= in_bytes
+                if made > ratios.get(kid, 0.0):
+                    if kid not in ratios:
+                        self._ratio_keys.append(key)
+                    ratios[kid] = made
             heap = self._heap
             for nbytes, st, li, leaf in new:
-                sid = table.new_sid()
-                table.bind(sid, st, i)
+                sid = table.bind_new(st, nbytes, i)
                 bindings[li] = sid
                 kinds[sid] = WRITE
-                if fully_visible(leaf):
-                    heapq.heappush(heap, (i, -nbytes, sid))
+                # Every reader of a strided, plain (not quantized, not nested) tensor's storage
+                # goes through the dispatcher: it may move; any other stays.
+                if leaf.layout is _STRIDED and not leaf.is_quantized and not leaf.is_nested:
+                    _heappush(heap, (i, -nbytes, sid))
                 else:
                     table.pinned.add(sid)
         return tuple(meta), bindings, pin, fresh, rewritten

@@ -20,19 +20,21 @@ def _q(a: np.ndarray) -> array:
     return out
 
 
-def timed_durations(durations: array, timer: OpTimer | None, begin: array, end: array,
+def timed_durations(durations: list[float], timer: OpTimer | None, begin: array, end: array,
                     gaps_ms: Any) -> array:
-    """Per op: its time between the timer's marks plus the host gap before it (0 on device
-    events), as ``recorded_trace`` computes it; ``durations`` as recorded without a timer."""
-    if timer is None or not len(end):
-        return durations
-    times = np.array(timer.times_ms(), dtype=np.float64)
-    ends, begins = np.frombuffer(end, dtype=np.int64), np.frombuffer(begin, dtype=np.int64)
-    out = np.maximum(times[ends] - times[begins], 0.0)
-    if not timer.use_events:
-        out = out + np.array(gaps_ms[-len(out):], dtype=np.float64)
-    lead = len(durations) - len(out)  # ops recorded without marks keep their own durations
-    return array("d", list(durations[:lead]) + out.tolist())
+    """Per op: its time plus the host gap before it, as ``recorded_trace`` computes it. On the
+    host clock ``durations`` holds the ops' times; with device events the ops' marks give them
+    (no gap: the device's time is what counts there); without a timer they are as measured."""
+    if timer is None:
+        return array("d", durations)
+    if timer.use_events:
+        times = np.array(timer.times_ms(), dtype=np.float64)
+        ends, begins = np.frombuffer(end, dtype=np.int64), np.frombuffer(begin, dtype=np.int64)
+        return array("d", np.maximum(times[ends] - times[begins], 0.0).tobytes())
+    if not durations:
+        return array("d")
+    out = np.array(durations, dtype=np.float64) + np.array(gaps_ms[-len(durations):], dtype=np.float64)
+    return array("d", out.tobytes())
 
 
 def packed_recording(columns: TraceColumns, durations: array, table: ActivationTable, moved_sids: set[int],

@@ -4,12 +4,16 @@ The budget is kept online (see ``executor_base``); when nothing is left to evict
 overshoot is recorded, never raised. Ops are recorded as columns (``TraceColumns``), and the
 common op (a plain aten op that mutates no argument and takes its tensors positionally, all
 of them with a storage) takes a fused copy of the online path: the same decisions in one
-frame, with the rare cases (budget pressure, pages to bring back, pins, outputs that are
-older activations) handed to the shared methods.
+frame (and ``_bind_one`` for an op with one tensor output), with the rare cases (budget
+pressure, pages to bring back, pins, outputs that are older activations) handed to the
+shared methods. Per tiny op that path costs about 76k CPU instructions against 15k for the
+op without a session and 43k under a do-nothing dispatch mode
+(``benchmarks/warmup_instructions.py``).
 """
 
 from __future__ import annotations
 
+import heapq
 import time
 import weakref
 from array import array
@@ -19,9 +23,11 @@ import torch
 from torch._ops import OpOverload
 
 from hyperpar.offload.capture.executor_base import (
+    DTYPE_NAMES,
     PLAIN,
     ExecutorBase,
     OpState,
+    dtype_name,
     internal,
     op_kind,
     op_name,
@@ -42,15 +48,33 @@ READ, WRITE = AccessKind.READ, AccessKind.WRITE
 Tensor = torch.Tensor
 _STRIDED = torch.strided
 _perf_counter = time.perf_counter
-_FAST: dict[Any, str] = {}  # func -> its name if it takes the fused path, else "" (one lookup an op)
+_ref = weakref.ref
+_heappush = heapq.heappush
+_OVERLOAD_CALL = OpOverload.__call__
 
 
-def _fast(func: Any) -> str:
-    fast = _FAST.get(func)
-    if fast is None:
-        fast = _FAST[func] = op_name(func) if (isinstance(func, OpOverload) and op_kind(func) == PLAIN
-                                               and not mutates(func) and not nested_tensors(func)) else ""
-    return fast
+class _Fused:
+    """What the fused path needs to know of an op, found with one lookup by ``id(func)`` (an
+    OpOverload hashes in Python, a call of its own at every dict lookup)."""
+
+    __slots__ = ("call", "func", "name", "ratio")
+
+    def __init__(self, func: Any) -> None:
+        self.func = func  # held: the id stays this op's
+        fused = (isinstance(func, OpOverload) and op_kind(func) == PLAIN and not mutates(func)
+                 and not nested_tensors(func))
+        self.name = op_name(func) if fused else ""  # "": the op takes ``online_op``
+        self.ratio = 0.0 if getattr(func, "is_view", False) else 1.0  # bytes made per byte read, at first
+        # What OpOverload.__call__ calls (one Python frame less), where the class keeps that call.
+        self.call = func._op if fused and type(func).__call__ is _OVERLOAD_CALL else func
+
+
+_FUSED: dict[int, _Fused] = {}
+
+
+def _fused(func: Any) -> _Fused:
+    op = _FUSED[id(func)] = _Fused(func)
+    return op
 
 
 class WarmupExecutor(ExecutorBase):
@@ -61,7 +85,9 @@ class WarmupExecutor(ExecutorBase):
         self.recording = True
         self.columns = TraceColumns()
         self.keys = self.columns.keys
-        self.durations = array("d")  # as recorded; with a timer, from its marks at the end
+        # Per op in recorded order: its time on the host clock (0.0 for one timed by device
+        # events, whose marks give it at the end of the step).
+        self.durations: list[float] = []
         self._marks_begin, self._marks_end = array("q"), array("q")
 
     def record_op(self, state: OpState, duration_ms: float, kinds: dict[int, AccessKind], leaf_count: int,
@@ -73,6 +99,9 @@ class WarmupExecutor(ExecutorBase):
         timer = self.timer
         if timer is None:
             return super()._op_duration(state)
+        marks = timer.host_marks
+        if marks is not None:  # the host clock: the op is done, its time is known now
+            return (_perf_counter() - marks[int(state.t0)]) * 1e3
         self._marks_begin.append(int(state.t0))
         self._marks_end.append(timer.mark())
         return 0.0
@@ -80,16 +109,17 @@ class WarmupExecutor(ExecutorBase):
     def run_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``online_op`` fused for the common op (see the module docstring)."""
         entered = _perf_counter()
-        name = _FAST.get(func)
-        if name is None:
-            name = _fast(func)
+        fid = id(func)
+        op = _FUSED.get(fid)
+        if op is None:
+            op = _fused(func)
+        name = op.name
         m, timer = self.manager, self.timer
         if not name or m.pending_free or timer is None:
             return self.online_op(func, args, kwargs)
         table = self.table
         sid_of, plain = table.sid_of, self._plain
         kinds: dict[int, AccessKind] = {}
-        in_ids: set[int] = set()
         in_sids: list[int] = []
         in_bytes = 0
         for t in args:
@@ -100,7 +130,6 @@ class WarmupExecutor(ExecutorBase):
             except (RuntimeError, NotImplementedError):  # no storage: the op pins, online_op knows how
                 return self.online_op(func, args, kwargs)
             key = id(st)
-            in_ids.add(key)
             sid = sid_of.get(key)
             if sid is not None:
                 in_sids.append(sid)
@@ -108,14 +137,17 @@ class WarmupExecutor(ExecutorBase):
                     kinds[sid] = READ
             else:
                 in_sids.append(NOT_ACTIVATION)
-                plain[key] = weakref.ref(st)
+                p = plain.get(key)
+                if p is None or p() is not st:  # a parameter is seen again every step: its ref stays
+                    plain[key] = _ref(st)
             if t.layout is _STRIDED:
                 in_bytes += t.nbytes
-        if kinds and m.entries:
+        reads = len(kinds)
+        if reads and m.entries:
             self._bring_in(kinds)
-        ratio = self._out_ratio.get(func)
+        ratio = self._out_ratio.get(fid)
         if ratio is None:
-            ratio = 0.0 if func.is_view else 1.0
+            ratio = op.ratio
         target = self.budget_bytes - int(ratio * in_bytes)
         if table.live_bytes - m.away_bytes > target:
             self.enforce_budget(kinds, target=target)
@@ -123,23 +155,74 @@ class WarmupExecutor(ExecutorBase):
         i = self.index
         self.index = i + 1
         self._current = name
-        begin = timer.mark()
-        out = func(*args, **kwargs)
-        self._marks_end.append(timer.mark())
-        self._marks_begin.append(begin)
-        leaves = [out] if isinstance(out, Tensor) else output_leaves(out)
-        meta, bindings, pin, fresh, rewritten = self.bind_outputs(func, i, kinds, in_ids, in_bytes, leaves)
-        if pin:
+        if timer.host_marks is not None:  # the host clock: no marks, the time now
+            begin = _perf_counter()
+            out = op.call(*args, **kwargs)
+            self.durations.append((_perf_counter() - begin) * 1e3)
+        else:
+            self._marks_begin.append(timer.mark())
+            out = op.call(*args, **kwargs)
+            self._marks_end.append(timer.mark())
+            self.durations.append(0.0)
+        if isinstance(out, Tensor):
+            self._bind_one(op, i, kinds, reads, in_sids, in_bytes, out)
+        else:
+            leaves = output_leaves(out)
+            in_ids = [id(t.untyped_storage()) for t in args if isinstance(t, Tensor)]
+            meta, bindings, pin, fresh, rewritten = self.bind_outputs(func, i, kinds, in_ids, in_bytes,
+                                                                      leaves)
+            if pin:
+                self.pin_sids(kinds)
+            if rewritten:  # no input is written (see ``_Fused``): only an older activation that came out
+                self.refresh_written(kinds, fresh)
+            self.note_peak(i)
+            self.columns.add(name, func, kinds, len(leaves), bindings, meta, in_sids, reads)
+        self._last_exit = _perf_counter()
+        return out
+
+    def _bind_one(self, op: _Fused, i: int, kinds: dict[int, AccessKind], reads: int, in_sids: list[int],
+                  in_bytes: int, out: Tensor) -> None:
+        """``bind_outputs`` and the rest of the op for its one tensor output, without the lists
+        and dicts that several outputs need. ``kinds`` holds just the inputs here, so an output
+        storage with a sid in it is an input's (a view) and one in ``_plain`` is an input's or
+        a parameter's: neither is new."""
+        dtype = out.dtype
+        meta = ((tuple(out.shape), DTYPE_NAMES.get(dtype) or dtype_name(dtype)),)
+        bound = -1
+        table, m = self.table, self.manager
+        try:
+            st = out.untyped_storage()
+        except (RuntimeError, NotImplementedError):
             self.pin_sids(kinds)
-        if rewritten:  # no input is written (see ``_fast``): only an older activation that came out
-            self.refresh_written(kinds, fresh)
+        else:
+            st_id = id(st)
+            sid = table.sid_of.get(st_id)
+            if sid is not None:
+                if sid not in kinds:  # an older activation came out: written
+                    kinds[sid] = WRITE
+                    self.refresh_written(kinds, len(table.ids))
+            else:
+                p = self._plain.get(st_id)
+                if (p is None or p() is not st) and st.device == self.device:  # else: a fake tensor's, meta
+                    nbytes = st.nbytes()
+                    if nbytes:
+                        if in_bytes:
+                            made = nbytes / in_bytes
+                            ratios, fid = self._out_ratio, id(op.func)
+                            if made > ratios.get(fid, 0.0):
+                                if fid not in ratios:
+                                    self._ratio_keys.append(op.func)
+                                ratios[fid] = made
+                        bound = table.bind_new(st, nbytes, i)
+                        kinds[bound] = WRITE
+                        if out.layout is _STRIDED and not out.is_quantized and not out.is_nested:
+                            _heappush(self._heap, (i, -nbytes, bound))
+                        else:  # see ``bind_outputs``
+                            table.pinned.add(bound)
         resident = table.live_bytes - m.away_bytes
         if resident > self.peak_bytes:
             self.peak_bytes, self.peak_op = resident, i
-        self.columns.add(name, func, kinds, len(leaves), bindings, meta, tuple(in_sids))
-        self.durations.append(0.0)
-        self._last_exit = _perf_counter()
-        return out
+        self.columns.add_one(op.name, op.func, kinds, reads, in_sids, meta, bound)
 
     def begin_opaque(self, name: str, reads: list[torch.UntypedStorage]) -> OpState:
         return self.online_begin_opaque(name, reads)
