@@ -116,7 +116,8 @@ def _peak_rise(run: Any) -> int:
     return peak
 
 
-def _rank(rank: int, port: int, root: str, names: list[str], steps: int, queue: Any) -> None:
+def _rank(rank: int, port: int, root: str, names: list[str], steps: int, cells: list[str] | None,
+          queue: Any) -> None:
     import warnings
 
     import torch
@@ -129,7 +130,8 @@ def _rank(rank: int, port: int, root: str, names: list[str], steps: int, queue: 
     dist.init_process_group("gloo", rank=rank, world_size=2)
     packages = [f"hyperpar_ab{i}" for i in range(len(names))]
     result = {f"{shape}/{d}": _cell(names, packages, size, d, rank, steps)
-              for shape, size in SIZES.items() for d in DTYPES}
+              for shape, size in SIZES.items() for d in DTYPES
+              if cells is None or f"{shape}/{d}" in cells}
     queue.put((rank, result))
     dist.destroy_process_group()
 
@@ -139,6 +141,9 @@ def main() -> None:
     parser.add_argument("--src", action="append", required=True, help="NAME=PATH of a src directory")
     parser.add_argument("--steps", type=int, default=16, help="timed steps per tree and cell")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here")
+    parser.add_argument("--cell", action="append", default=None,
+                        choices=[f"{s}/{d}" for s in SIZES for d in DTYPES],
+                        help="run only this SHAPE/DTYPE cell (repeatable; default: all six)")
     args = parser.parse_args()
     trees = dict(item.split("=", 1) for item in args.src)
     names = list(trees)
@@ -154,7 +159,8 @@ def main() -> None:
             port = s.getsockname()[1]
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
-        procs = [ctx.Process(target=_rank, args=(r, port, root, names, args.steps, queue)) for r in range(2)]
+        procs = [ctx.Process(target=_rank, args=(r, port, root, names, args.steps, args.cell, queue))
+                 for r in range(2)]
         for p in procs:
             p.start()
         results = dict(queue.get(timeout=1800) for _ in procs)
@@ -182,7 +188,8 @@ def main() -> None:
         args.out.write_text(json.dumps({
             "benchmark": "moe_before_after", "command": " ".join(["python", *sys.argv]),
             "torch": torch.__version__, "machine": platform.platform(), "cpus": os.cpu_count(),
-            "threads_per_rank": 1, "ranks": 2, "steps": args.steps, "load_average_1min": loads,
+            "threads_per_rank": 1, "ranks": 2, "steps": args.steps, "cells": args.cell,
+            "load_average_1min": loads,
             "trees": trees, "summary": summary}, indent=2) + "\n")
         print(f"wrote {args.out}")
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hyperpar.multicore.moe.grouped_gemm import group_offsets, grouped_weight_grad, weight_grad_as
-from hyperpar.multicore.moe.swiglu import swiglu, swiglu_backward, swiglu_backward_as
+from hyperpar.multicore.moe.swiglu import swiglu, swiglu_as, swiglu_backward, swiglu_backward_as
 
 BF16 = torch.bfloat16
 
@@ -24,6 +24,17 @@ def test_weight_grad_in_blocks_equals_one_call_cast(counts: list[int]) -> None:
     assert blocked.dtype == torch.float32
     assert torch.equal(blocked, whole.float())
     assert torch.equal(weight_grad_as(BF16, rows, grad, counts, offsets), whole)  # same dtype: one call
+
+
+@pytest.mark.parametrize("limit", [None, 0.7])
+@pytest.mark.parametrize("block_rows", [None, 1, 8, 100])
+def test_swiglu_in_row_blocks_equals_wide_then_cast(limit: float | None, block_rows: int | None) -> None:
+    torch.manual_seed(2)
+    pre = torch.randn(37, 24).to(BF16)
+    got = swiglu_as(pre, torch.float32, limit, block_rows)
+    assert got.dtype == BF16 and torch.equal(got, swiglu(pre.float(), limit).to(BF16))
+    wide = pre.float()
+    assert torch.equal(swiglu_as(wide, torch.float32, limit, block_rows), swiglu(wide, limit))  # no blocks
 
 
 @pytest.mark.parametrize("limit", [None, 0.7])

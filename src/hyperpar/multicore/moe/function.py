@@ -34,7 +34,7 @@ from .combine import weighted_sum
 from .grouped_gemm import grouped_mm, weight_grad_as
 from .packing import Blocks
 from .routing import ChunkRoute, GradNeeds, RoutePlan, RoutingSetup, build_route_plan
-from .swiglu import swiglu, swiglu_backward_as
+from .swiglu import swiglu_as, swiglu_backward_as
 from .workspace import MoeWorkspace
 
 Tensor = torch.Tensor
@@ -126,7 +126,7 @@ def _experts_forward(rows: Tensor, weights: GemmWeights, route: ChunkRoute,
                      math: ExpertMath, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """(pre-activation, output) in the rows' (wire) dtype; SwiGLU runs in ``dtype``, the input's."""
     pre = grouped_mm(rows, weights.gate_up(), route.expert_counts, route.expert_offsets)
-    act = swiglu(pre.to(dtype), math.swiglu_limit)
+    act = swiglu_as(pre, dtype, math.swiglu_limit)  # in the wire dtype: a GEMM operand
     return pre, grouped_mm(math.gemm(act), weights.down(), route.expert_counts, route.expert_offsets)
 
 
