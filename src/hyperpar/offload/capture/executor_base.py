@@ -304,13 +304,8 @@ class ExecutorBase:
                 made = sum(x[0] for x in new)
             else:
                 made = new[0][0]
-            if in_bytes:
-                ratios, kid = self._out_ratio, id(key)
-                made /= in_bytes
-                if made > ratios.get(kid, 0.0):
-                    if kid not in ratios:
-                        self._ratio_keys.append(key)
-                    ratios[kid] = made
+            if in_bytes and made / in_bytes > self._out_ratio.get(id(key), 0.0):
+                self.raise_out_ratio(key, made / in_bytes)
             heap = self._heap
             for nbytes, st, li, leaf in new:
                 sid = table.bind_new(st, nbytes, i)
@@ -323,6 +318,14 @@ class ExecutorBase:
                 else:
                     table.pinned.add(sid)
         return tuple(meta), bindings, pin, fresh, rewritten
+
+    def raise_out_ratio(self, key: Any, made: float) -> None:
+        """Op ``key`` made ``made`` bytes per input byte, more than before: budget for that much
+        next time (the check stays at the call site, where it is one lookup an op)."""
+        kid = id(key)
+        if kid not in self._out_ratio:
+            self._ratio_keys.append(key)  # the id stays this op's while the executor lives
+        self._out_ratio[kid] = made
 
     def refresh_written(self, kinds: dict[int, AccessKind], fresh: int) -> None:
         """Storages the op wrote: host copies are stale, and ``out=`` may have resized them

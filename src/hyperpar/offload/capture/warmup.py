@@ -206,13 +206,8 @@ class WarmupExecutor(ExecutorBase):
                 if (p is None or p() is not st) and st.device == self.device:  # else: a fake tensor's, meta
                     nbytes = st.nbytes()
                     if nbytes:
-                        if in_bytes:
-                            made = nbytes / in_bytes
-                            ratios, fid = self._out_ratio, id(op.func)
-                            if made > ratios.get(fid, 0.0):
-                                if fid not in ratios:
-                                    self._ratio_keys.append(op.func)
-                                ratios[fid] = made
+                        if in_bytes and nbytes / in_bytes > self._out_ratio.get(id(op.func), 0.0):
+                            self.raise_out_ratio(op.func, nbytes / in_bytes)
                         bound = table.bind_new(st, nbytes, i)
                         kinds[bound] = WRITE
                         if out.layout is _STRIDED and not out.is_quantized and not out.is_nested:
