@@ -18,6 +18,7 @@ from a fresh state. ``HYPERPAR_TEST_RANKS_SPAWN=1`` goes back to spawn.
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 import socket
 import tempfile
@@ -68,7 +69,9 @@ def _entry(
         if init_pg:
             dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                     init_method=f"file://{store_path}")
-        result = fn(rank, world_size, *args)
+        # By value: torch's queue would pass a tensor's storage as a file descriptor served by
+        # this process, which can exit before the parent has taken it (connection reset).
+        result = pickle.dumps(fn(rank, world_size, *args))
         queue.put((rank, True, result))
     except BaseException as exc:  # report everything, even SystemExit
         queue.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
@@ -123,11 +126,11 @@ def run_ranks(
                     # one more chance: its message may still be in flight
                     try:
                         rank, ok, payload = queue.get(timeout=1.0)
-                        (results if ok else errors)[rank] = payload
+                        (results if ok else errors)[rank] = pickle.loads(payload) if ok else payload
                     except queue_mod.Empty:
                         errors[r] = f"rank {r} died with exit code {procs[r].exitcode}"
                 continue
-            (results if ok else errors)[rank] = payload
+            (results if ok else errors)[rank] = pickle.loads(payload) if ok else payload
     finally:
         for p in procs:
             p.join(timeout=5 if len(results) + len(errors) == world_size else 0.1)
