@@ -53,6 +53,7 @@ def test_a_session_trace_round_trips_through_its_packed_form() -> None:
 def test_a_synthetic_trace_without_guides_round_trips_and_shares_its_structure() -> None:
     trace = synthetic_trace(2_000, seed=3)
     trace.death_ops = {1: 40, 7: 90}
+    trace.tail_sids = frozenset({3, 5})
     schedule = get_planner("greedy").build(trace)
     doc, sched_doc = trace.to_dict(), schedule.to_dict()
     packed, packed_schedule = PackedTrace(trace), PackedSchedule(schedule)
@@ -62,6 +63,7 @@ def test_a_synthetic_trace_without_guides_round_trips_and_shares_its_structure()
     del trace, schedule, resized
     gc.collect()
     assert packed.unpack().to_dict() == doc and packed_schedule.unpack().to_dict() == sched_doc
+    assert doc["tail_sids"] == [3, 5] and ActivationTrace.from_dict(doc).tail_sids == {3, 5}
 
 
 def test_columns_of_a_small_trace_are_as_laid_out() -> None:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from hyperpar.offload.ir import ActivationTrace, ResidencyAction, ResidencySchedule
+from hyperpar.offload.ir import AccessKind, ActivationTrace, ResidencyAction, ResidencySchedule
 from hyperpar.offload.ir import ResidencyActionType as Act
 from hyperpar.offload.planning.arrays import TraceArrays, trace_arrays
 from hyperpar.offload.planning.gaps import Gap
@@ -28,18 +28,30 @@ def emit_reference(
     d2h: list[tuple[int, int]] = []
     frees: list[tuple[int, int]] = []
     h2d: list[tuple[int, int, int]] = []  # (issue op, consumer, sid): earlier consumers first
-    order = sorted(range(len(chosen)), key=lambda k: (chosen[k].sid, chosen[k].start))
+    # a tail leaves after its last access, copied out after its last write (or first access)
+    copy_of: dict[int, int] = {}
+    last_of: dict[int, int] = {}
+    for i, op in enumerate(trace.ops):
+        for acc in op.accesses:
+            if acc.storage_id not in copy_of or acc.kind is AccessKind.WRITE:
+                copy_of[acc.storage_id] = i
+            last_of[acc.storage_id] = i
+    tails = sorted(s for s in trace.tail_sids - trace.retained_sids - trace.pinned_sids if s in last_of)
+    runs = [(g.sid, g.start, g.copy_op, k) for k, g in enumerate(chosen)]
+    runs += [(s, last_of[s], copy_of[s], -1) for s in tails]
     prev_sid, copied_at = None, None
-    for k in order:
+    for sid, _start, copy_op, k in sorted(runs):
+        if sid != prev_sid:
+            prev_sid, copied_at = sid, None
+        if copied_at != copy_op:
+            d2h.append((copy_op, sid))
+            copied_at = copy_op
+        if k < 0:
+            continue
         gap = chosen[k]
-        if gap.sid != prev_sid:
-            prev_sid, copied_at = gap.sid, None
-        if copied_at != gap.copy_op:
-            d2h.append((gap.copy_op, gap.sid))
-            copied_at = gap.copy_op
         frees.append((gap.start, gap.sid))
         h2d.append((gap.end if h2d_ops is None else h2d_ops[k], gap.end, gap.sid))
-    moved = {gap.sid for gap in chosen}
+    moved = {gap.sid for gap in chosen} | set(tails)
     last_frees: list[tuple[int, int]] = []
     host_frees: list[tuple[int, int]] = []
     retained = trace.retained_sids

@@ -25,6 +25,9 @@ def _trace(rng: random.Random) -> ActivationTrace:
                        if rng.random() < 0.2}
     if rng.random() < 0.3:
         trace.pinned_sids = frozenset(s for s in trace.storage_sizes if rng.random() < 0.2)
+    if rng.random() < 0.4:  # held past their last access, moved off after it (see emit_schedule)
+        trace.tail_sids = frozenset(s for s in trace.storage_sizes
+                                    if s not in trace.death_ops and rng.random() < 0.3)
     return trace
 
 

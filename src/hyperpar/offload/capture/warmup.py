@@ -277,13 +277,16 @@ def recorded_trace(ex: ExecutorBase, d2h_gbps: float, h2d_gbps: float, first_tim
     for i, op in enumerate(ex.ops):
         for acc in op.accesses:
             last[acc.storage_id] = i
-    # When Python let go of a storage, for the ones no copy held on to.
-    deaths = {sid: op for sid, op in table.death.items()
-              if sid in last and op > last[sid] and sid not in ex.moved_sids}
+    # When Python let go of a storage, for the ones no copy held on to; the others are tails
+    # (see ``packed_recording``).
+    late = {sid: op for sid, op in table.death.items() if sid in last and op > last[sid]}
+    deaths = {sid: op for sid, op in late.items() if sid not in ex.moved_sids}
+    pinned = frozenset(s for s in table.pinned if s in sizes)
     return ActivationTrace(
         ops=ex.ops, storage_sizes=sizes, retained_sids=retained,
         memory_limit_bytes=ex.budget_bytes, d2h_bandwidth_gbps=d2h_gbps,
         h2d_bandwidth_gbps=h2d_gbps, guides=ex.guides,
-        pinned_sids=frozenset(s for s in table.pinned if s in sizes),
+        pinned_sids=pinned,
         death_ops=deaths,
+        tail_sids=frozenset(late.keys() - deaths.keys()) - retained - pinned,
     )

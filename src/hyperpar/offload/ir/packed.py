@@ -140,7 +140,7 @@ class PackedTrace:
 
     __slots__ = ("__weakref__", "_unpacked", "d2h_bandwidth_gbps", "death_op", "death_sid", "duration_ms",
                  "h2d_bandwidth_gbps", "memory_limit_bytes", "pinned_sids", "retained_sids", "size_bytes",
-                 "size_sid", "structure")
+                 "size_sid", "structure", "tail_sids")
 
     def __init__(self, trace: ActivationTrace, like: PackedTrace | None = None) -> None:
         self.duration_ms = array("d")
@@ -151,6 +151,7 @@ class PackedTrace:
         self.pinned_sids = trace.pinned_sids
         self.death_sid = array("q", trace.death_ops.keys())
         self.death_op = array("q", trace.death_ops.values())
+        self.tail_sids = trace.tail_sids
         self.memory_limit_bytes = trace.memory_limit_bytes
         self.d2h_bandwidth_gbps = trace.d2h_bandwidth_gbps
         self.h2d_bandwidth_gbps = trace.h2d_bandwidth_gbps
@@ -160,13 +161,14 @@ class PackedTrace:
     def recorded(cls, structure: TraceStructure, duration_ms: array, size_sid: array, size_bytes: array,
                  retained_sids: frozenset[int], pinned_sids: frozenset[int], death_sid: array,
                  death_op: array, memory_limit_bytes: int, d2h_bandwidth_gbps: float,
-                 h2d_bandwidth_gbps: float) -> PackedTrace:
+                 h2d_bandwidth_gbps: float, tail_sids: frozenset[int] = frozenset()) -> PackedTrace:
         """A trace recorded as columns (warmup): no object form exists until ``unpack``."""
         self = cls.__new__(cls)
         self.structure, self.duration_ms = structure, duration_ms
         self.size_sid, self.size_bytes = size_sid, size_bytes
         self.retained_sids, self.pinned_sids = retained_sids, pinned_sids
         self.death_sid, self.death_op = death_sid, death_op
+        self.tail_sids = tail_sids
         self.memory_limit_bytes = memory_limit_bytes
         self.d2h_bandwidth_gbps, self.h2d_bandwidth_gbps = d2h_bandwidth_gbps, h2d_bandwidth_gbps
         self._unpacked = None
@@ -205,6 +207,7 @@ class PackedTrace:
                 h2d_bandwidth_gbps=self.h2d_bandwidth_gbps, guides=self.guides(),
                 pinned_sids=self.pinned_sids,
                 death_ops=dict(zip(self.death_sid, self.death_op, strict=True)),
+                tail_sids=self.tail_sids,
             )
             self._unpacked = weakref.ref(trace)
         return trace

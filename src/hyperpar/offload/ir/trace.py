@@ -65,10 +65,15 @@ class ActivationTrace:
     # sid -> the last op during which the storage was still alive, where that is later than
     # its last access (Python held it a while longer); it occupies the device until then.
     death_ops: dict[int, int] = field(default_factory=dict)
+    # Storages Python held past their last access that the warmup had to move off the device:
+    # the plan has them leave right after their last access (copied out after their last
+    # write, never brought back), so their lifetime here ends at that access.
+    tail_sids: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         self.retained_sids = frozenset(self.retained_sids)
         self.pinned_sids = frozenset(self.pinned_sids)
+        self.tail_sids = frozenset(self.tail_sids)
 
     @property
     def num_ops(self) -> int:
@@ -127,6 +132,7 @@ class ActivationTrace:
             "retained_sids": sorted(self.retained_sids),
             "pinned_sids": sorted(self.pinned_sids),
             "death_ops": [[sid, op] for sid, op in sorted(self.death_ops.items())],
+            "tail_sids": sorted(self.tail_sids),
             "memory_limit_bytes": self.memory_limit_bytes,
             "d2h_bandwidth_gbps": self.d2h_bandwidth_gbps,
             "h2d_bandwidth_gbps": self.h2d_bandwidth_gbps,
@@ -183,6 +189,10 @@ class ActivationTrace:
             raise IRFormatError(f"{where}: death_ops must be a list of [sid, op] pairs, got {raw_deaths!r}")
         deaths = {non_negative_int(p[0], f"{where}: death_ops sid"):
                   non_negative_int(p[1], f"{where}: death_ops op") for p in raw_deaths}
+        raw_tails = doc.get("tail_sids", [])
+        if not isinstance(raw_tails, list):
+            raise IRFormatError(f"{where}: tail_sids must be a list, got {raw_tails!r}")
+        tails = frozenset(non_negative_int(s, f"{where}: tail_sids") for s in raw_tails)
         guides = [
             OpGuide.from_dict(g, f"{where}: guides[{i}]")
             for i, g in enumerate(doc.get("guides", []) or [])
@@ -205,6 +215,7 @@ class ActivationTrace:
             guides=guides,
             pinned_sids=pinned,
             death_ops=deaths,
+            tail_sids=tails,
         )
 
     def save(self, path: str | Path) -> None:

@@ -3,7 +3,10 @@
 Per storage, in op order: COPY_D2H after the gap's copy op unless the host copy is
 still current (no write since the previous D2H), RELEASE_DEVICE after the gap start,
 COPY_H2D before ``h2d_op`` (the consumer, or earlier for a prefetch); after the last
-access RELEASE_DEVICE (unless retained) and RELEASE_HOST if it was ever copied out.
+access RELEASE_DEVICE (unless retained) and RELEASE_HOST if it was ever copied out. A tail
+(``ActivationTrace.tail_sids``: Python holds it past its last access) is copied out after
+its last write, so that release can take it off the device (the host copy stays while
+Python holds the storage).
 Each post list holds D2H copies, then releases, then host releases; each kind by sid.
 """
 
@@ -40,15 +43,18 @@ def emit_schedule(
     end = np.fromiter((g.end for g in chosen), dtype=np.int64, count=count)
     copy_op = np.fromiter((g.copy_op for g in chosen), dtype=np.int64, count=count)
     issue = end if h2d_ops is None else np.asarray(h2d_ops, dtype=np.int64).reshape(count)
+    t_sid, t_last, t_copy = _tails(trace, arr)
+    c_sid, c_start, c_op = (np.concatenate([sid, t_sid]), np.concatenate([start, t_last]),
+                            np.concatenate([copy_op, t_copy]))
     # one D2H per run of a storage's gaps (by start) sharing a copy op: the host copy is current
-    by_sid = np.lexsort((start, sid))
-    s_sid, s_copy = sid[by_sid], copy_op[by_sid]
-    new_copy = np.ones(count, dtype=bool)
+    by_sid = np.lexsort((c_start, c_sid))
+    s_sid, s_copy = c_sid[by_sid], c_op[by_sid]
+    new_copy = np.ones(len(s_sid), dtype=bool)
     new_copy[1:] = (s_sid[1:] != s_sid[:-1]) | (s_copy[1:] != s_copy[:-1])
     keep_last = np.ones(len(arr.sids), dtype=bool)
     if trace.retained_sids and len(arr.sids):
         keep_last = ~np.isin(arr.sids, np.fromiter(trace.retained_sids, dtype=np.int64))
-    moved = np.isin(arr.sids, sid)
+    moved = np.isin(arr.sids, c_sid)
     # rows: (list index, key within the list, sid, kind); post lists hold D2H copies, then
     # releases of gaps, then final releases, then host releases; pre lists H2D by consumer
     groups = (
@@ -67,6 +73,27 @@ def emit_schedule(
     offsets.frombytes(np.cumsum(np.bincount(lists, minlength=2 * n)[:2 * n], dtype=np.int64).tobytes())
     return PackedActionsSchedule(packed=(offsets, kinds[order].tobytes(), _q(sids[order])), planner=planner,
                                  budget_bytes=trace.memory_limit_bytes)
+
+
+def _tails(trace: ActivationTrace, arr: TraceArrays) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The tails to copy out: sid, last access, copy op (the last write, or the first access
+    of a storage that is only read: its data exists from there)."""
+    if not trace.tail_sids or not len(arr.sids):
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    tails = np.fromiter(trace.tail_sids, dtype=np.int64)
+    tails = tails[~np.isin(tails, np.fromiter(trace.retained_sids, dtype=np.int64))]
+    if len(arr.pinned_sids):
+        tails = tails[~np.isin(tails, arr.pinned_sids)]
+    d = np.searchsorted(arr.sids, tails)
+    ok = d < len(arr.sids)
+    ok[ok] = arr.sids[d[ok]] == tails[ok]
+    d = np.sort(d[ok])
+    t_sid = arr.sids[d]
+    copy = arr.first_op[d].copy()
+    written = arr.access_write & np.isin(arr.access_sid, t_sid)
+    np.maximum.at(copy, np.searchsorted(t_sid, arr.access_sid[written]), arr.access_op[written])
+    return t_sid, arr.last_op[d], copy
 
 
 def _q(values: np.ndarray) -> array:

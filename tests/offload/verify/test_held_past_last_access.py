@@ -1,0 +1,65 @@
+"""Storages that Python holds past their last access (a local variable, a list of
+intermediate outputs) and that the warmup had to move off: the plan counts them gone after
+that access, so replay must take them off the device there too, or every replay runs over
+the budget by their bytes while its report says the budget was feasible."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hyperpar.offload import OffloadConfig, OffloadSession
+
+MIB = 1 << 20
+
+
+def _weights() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(64, 64, generator=g) / 8).requires_grad_() for _ in range(6)]
+
+
+def _step(x: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor:
+    held = []  # each layer's matmul output, alive until the step returns, never read again
+    h = x
+    for w in ws:
+        a = h @ w
+        held.append(a)
+        h = torch.relu(a + 1.0)  # ``add`` saves nothing: ``a``'s last access
+    loss = h.square().mean()
+    loss.backward()
+    return loss.detach()
+
+
+def _run(session: OffloadSession | None, x: torch.Tensor, ws: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    for w in ws:
+        w.grad = None
+    if session is None:
+        loss = _step(x, ws)
+    else:
+        with session:
+            loss = _step(x, ws)
+    return (loss, *(w.grad.clone() for w in ws))  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("fraction", [0.35, 0.5])
+def test_replay_keeps_the_budget_with_storages_held_past_their_last_access(fraction: float) -> None:
+    torch.set_num_threads(1)
+    x = torch.randn(512, 64, generator=torch.Generator().manual_seed(1))
+    ws = _weights()
+    probe = OffloadSession(OffloadConfig(max_resident_activation_mb=float(1 << 20)))
+    _run(probe, x, ws)
+    assert probe.last_report is not None
+    budget = int(probe.last_report.peak_resident_bytes * fraction)
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=budget / MIB))
+    expected = _run(None, x, ws)
+    phases = []
+    for _ in range(3):
+        got = _run(session, x, ws)
+        report = session.last_report
+        assert report is not None
+        phases.append(report.phase)
+        assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True)), report
+        floor = report.min_feasible_budget_bytes
+        assert floor is not None and floor <= budget, report
+        assert report.peak_resident_bytes <= budget * 1.05, report
+    assert phases == ["warmup", "replay", "replay"]
