@@ -40,10 +40,12 @@ def _row(cells: list[str], widths: list[int]) -> str:
 def run(args: argparse.Namespace) -> int:
     from hyperpar.offload.ir import ActivationTrace, IRFormatError
     from hyperpar.offload.planning import simulate, verify
+    from hyperpar.offload.planning.arrays import trace_arrays
     from hyperpar.offload.planning.bounds import min_feasible_budget_timed
     from hyperpar.offload.planning.emit import emit_schedule
     from hyperpar.offload.planning.floor import budget_floor
     from hyperpar.offload.planning.sweep import deficit_warnings_muted, plan_point, sweep, with_budget
+    from hyperpar.offload.planning.tails import tails_taken
 
     path = Path(args.trace)
     if not path.is_file():
@@ -61,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
     verify(trace, schedule)
 
     peak = baseline.peak_resident_bytes
-    floor, timed_floor = budget_floor(trace), min_feasible_budget_timed(trace)
+    taken, _ = tails_taken(trace, trace_arrays(trace))  # a lower bound: some schedule takes them off
+    floor, timed_floor = budget_floor(trace), min_feasible_budget_timed(taken)
     print(f"trace {path}: {trace.num_ops} ops, {len(trace.storage_sizes)} storages, "
           f"peak without offload {peak / MIB:.1f} MiB; D2H {trace.d2h_bandwidth_gbps:g} GB/s, "
           f"H2D {trace.h2d_bandwidth_gbps:g} GB/s; no budget below {floor.floor_bytes / MIB:.1f} MiB can be "

@@ -58,7 +58,9 @@ from hyperpar.offload.planning.arrays import (
     resident_without_offload,
 )
 from hyperpar.offload.planning.floor import BudgetFloor, budget_floor
+from hyperpar.offload.planning.simulate import SimResult
 from hyperpar.offload.planning.sweep import deficit_warnings_muted
+from hyperpar.offload.planning.tails import plan_with_tails
 from hyperpar.offload.runtime import (
     CopyEngine,
     HostPool,
@@ -95,6 +97,7 @@ class _Plan:
 
     @property
     def trace(self) -> ActivationTrace:
+        """As recorded: the schedule's tails (see ``planning.tails``) are not marked in it."""
         return self.packed.unpack()
 
     @property
@@ -372,7 +375,13 @@ class OffloadSession:
         self._structures[plan.signature].last = plan
         self._learn(plan.signature)
         self._current = plan
-        plan.floor.annotate(report)
+        if trace is None and report.peak_resident_bytes > report.budget_bytes:
+            # over budget: say whether the budget was feasible at this step's own sizes (its
+            # plan may be another size's, or the larger of two sizes at each storage)
+            assert isinstance(executor, ReplayExecutor)
+            self._measured_floor(executor, plan).annotate(report)
+        else:
+            plan.floor.annotate(report)
         self.phase = "warmup" if self._choose() is None else "replay"
         self.last_report = report
 
@@ -393,6 +402,16 @@ class OffloadSession:
                 sizes = {sid: max(n, planned.get(sid, 0)) for sid, n in sizes.items()}
             plan = self._size_plan(structure, plan.signature, self._resized(plan.trace, sizes))
         return plan
+
+    def _measured_floor(self, executor: ReplayExecutor, plan: _Plan) -> BudgetFloor:
+        """The floor at the storage sizes the step measured (the plan's structure, its sids)."""
+        nbytes = executor.table.nbytes
+        trace = self._resized(plan.trace, {sid: nbytes[sid] for sid in plan.packed.size_sid})
+        arrays = packed_trace_arrays(trace, plan.packed)
+        size = np.array([nbytes[sid] for sid in arrays.sids.tolist()], dtype=np.int64)
+        arrays = replace(arrays, size=size, access_size=size[np.searchsorted(arrays.sids, arrays.access_sid)])
+        with arrays_given(trace, arrays):
+            return budget_floor(trace)
 
     @staticmethod
     def _resized(trace: ActivationTrace, sizes: dict[int, int]) -> ActivationTrace:
@@ -440,15 +459,21 @@ class OffloadSession:
             arrays = packed_trace_arrays(trace, packed)
         # The floor, the planner and the simulator share one set of arrays, made from the
         # packed trace; the planner's own simulation of its schedule is reused.
-        with arrays_given(trace, arrays), simulations_kept() as sims:
+        with arrays_given(trace, arrays):
             floor = budget_floor(trace)
-            below_floor = floor.floor_bytes > trace.memory_limit_bytes
-            if below_floor and not self._said_below_floor:  # said once per session, the planners stay quiet
-                logger.warning("%s", floor.below_floor_message(trace.memory_limit_bytes))
-                self._said_below_floor = True
-            with deficit_warnings_muted() if below_floor else contextlib.nullcontext():
-                schedule = self.config.resolved_planner().build(trace)
-            sim = kept_simulation(sims, schedule) or simulate(trace, schedule)
+        below_floor = floor.floor_bytes > trace.memory_limit_bytes
+        if below_floor and not self._said_below_floor:  # said once per session, the planners stay quiet
+            logger.warning("%s", floor.below_floor_message(trace.memory_limit_bytes))
+            self._said_below_floor = True
+
+        def plan_once(trace: ActivationTrace, arrays: TraceArrays) -> tuple[ResidencySchedule, SimResult]:
+            with arrays_given(trace, arrays), simulations_kept() as sims:
+                with deficit_warnings_muted() if below_floor else contextlib.nullcontext():
+                    schedule = self.config.resolved_planner().build(trace)
+                return schedule, kept_simulation(sims, schedule) or simulate(trace, schedule)
+
+        # the plan's trace may mark tails; ``packed`` keeps the recorded one
+        trace, schedule, sim = plan_with_tails(trace, arrays, plan_once)
         predicted = schedule.notes.get("predicted_step_ms")
         if not isinstance(predicted, (int, float)) or isinstance(predicted, bool):
             predicted = sim.predicted_step_ms

@@ -111,8 +111,6 @@ class ExecutorBase:
         self.keys: list[Any] = []  # OpOverload, or the opaque region's name
         self.regions: list[OpState] = []  # open opaque regions of the online path, innermost last
         self.region_graphs: list[Any] = []  # autograd nodes of this step's regions (see opaque)
-        # Storages this step moved: their copies may hold them past their death in Python.
-        self.moved_sids: set[int] = set()
         self._plain: dict[int, weakref.ref] = {}  # storages first seen as inputs: not activations
         self._heap: list[tuple[int, int, int]] = []  # (producer op, -bytes, sid): eviction order
         # id(op) -> most bytes it made per input byte (by id: an OpOverload hashes in Python);
@@ -403,7 +401,6 @@ class ExecutorBase:
                 continue
             if entry is None:
                 entry = m.bind(sid, st, producer_op=table.producer[sid])
-            self.moved_sids.add(sid)
             if not (m.copy_d2h(entry) and m.release_device(entry)):
                 entry.evictable = False  # host pool at its cap, or a non-resizable storage
         for item in skipped:

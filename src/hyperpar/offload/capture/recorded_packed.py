@@ -37,12 +37,12 @@ def timed_durations(durations: list[float], timer: OpTimer | None, begin: array,
     return array("d", out.tobytes())
 
 
-def packed_recording(columns: TraceColumns, durations: array, table: ActivationTable, moved_sids: set[int],
-                     budget_bytes: int, d2h_gbps: float, h2d_gbps: float) -> PackedTrace:
+def packed_recording(columns: TraceColumns, durations: array, table: ActivationTable, budget_bytes: int,
+                     d2h_gbps: float, h2d_gbps: float) -> PackedTrace:
     """Sizes of every accessed storage (first-access order), the retained and pinned ones, and
-    deaths later than a storage's last access: kept for storages the step never moved; one
-    it moved is a tail (``ActivationTrace.tail_sids``): the plan moves it off after its last
-    access, as the warmup had to (its recorded death may also be late: a copy held it)."""
+    deaths later than a storage's last access (for a storage the step moved, maybe a little
+    later than Python let go of it: a copy held it; planning makes tails of these anyway,
+    see ``planning.tails``)."""
     structure = columns.structure()
     acc = np.frombuffer(structure.access_sid, dtype=np.int64)
     num_sids = table.num_sids
@@ -64,11 +64,6 @@ def packed_recording(columns: TraceColumns, durations: array, table: ActivationT
     death_sid = np.fromiter(table.death.keys(), dtype=np.int64, count=len(table.death))
     death_op = np.fromiter(table.death.values(), dtype=np.int64, count=len(table.death))
     keep = accessed[death_sid] & (death_op > last[death_sid])
-    tails: frozenset[int] = frozenset()
-    if moved_sids:
-        moved = np.isin(death_sid, np.fromiter(moved_sids, dtype=np.int64, count=len(moved_sids)))
-        tails = frozenset(death_sid[keep & moved].tolist()) - retained - pinned
-        keep &= ~moved
     return PackedTrace.recorded(
         structure, durations, _q(size_sid), _q(nbytes[size_sid]), retained, pinned,
-        _q(death_sid[keep]), _q(death_op[keep]), budget_bytes, d2h_gbps, h2d_gbps, tails)
+        _q(death_sid[keep]), _q(death_op[keep]), budget_bytes, d2h_gbps, h2d_gbps)

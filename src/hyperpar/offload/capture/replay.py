@@ -35,6 +35,7 @@ from hyperpar.offload.capture.executor_base import (
 )
 from hyperpar.offload.capture.op_args import output_leaves, tensor_inputs, written_tensors
 from hyperpar.offload.capture.replay_program import (
+    AFTER_DEATH,
     BINDS,
     D2H,
     H2D,
@@ -54,7 +55,7 @@ from hyperpar.offload.capture.warmup import recorded_trace
 from hyperpar.offload.ir import AccessKind, ActivationTrace
 from hyperpar.offload.ir.guide import NO_STORAGE, NOT_ACTIVATION
 from hyperpar.offload.ir.report import StepReport
-from hyperpar.offload.runtime import ResidencyManager
+from hyperpar.offload.runtime import ResidencyManager, StorageEntry
 
 logger = logging.getLogger(__name__)
 Tensor = torch.Tensor
@@ -63,6 +64,12 @@ READ, WRITE = AccessKind.READ, AccessKind.WRITE
 # or than the plan's own peak when the budget cannot be met, by more than this slack:
 # copies in flight hold dead storages a little longer than the trace saw.
 SLACK_BYTES = 64 << 10
+# A step whose first activation is this much larger than its plan's (beyond the ~19 % of a
+# size class: no plan of its size is near) skips the plan's prefetches, which bring back
+# storages that many times larger ahead of their use: inputs come back when an op needs
+# them (HF GPT-2 at 2.3x its plan's tokens, infeasible budget: peak 8.09 MiB against a
+# floor of 6.07 with the prefetches, 6.07 without).
+ON_DEMAND_GROWTH = 1.25
 
 
 def _limit(budget: int, planned_peak: int) -> int:
@@ -109,7 +116,6 @@ class ReplayExecutor(ExecutorBase):
         self.alternatives = alternatives  # other known plans: a step may turn out to be one
         self.table.reserve(program.num_sids)
         self.table.pinned.update(program.pinned)
-        self.moved_sids.update(program.moved)
         self.online = False  # after a divergence: every op takes the online path
         self.diverged_at: int | None = None
         self.divergence: str | None = None  # why, in words
@@ -121,7 +127,11 @@ class ReplayExecutor(ExecutorBase):
         self.relieved = False  # evicted beyond the plan: every op pages in and marks writes
         self.first_size = -1  # bytes of the step's first activation (picks the size's plan)
         self._growth = 0.0  # when > 1: this step's sizes over the plan's; room is made before ops
-        self._careful = False  # _growth or relieved: ops take ``_before_careful``
+        self._careful = False  # _growth, relieved or _grew: ops take ``_before_careful``
+        self._grew = False  # an op made more than planned (``_outgrown``)
+        self._on_demand = False  # skip the plan's prefetches: inputs come back when an op needs them
+        # bytes an op makes at the plan's sizes -> the most bytes made / those, in careful mode
+        self._made_ratio: dict[int, float] = {}
         self._keys = (*program.keys, None)  # op ``num_ops`` is no op of the plan
         self._sid_get = self.table.sid_of.get
         self._slow = True  # every op takes ``_run_op`` (see ``_settle``)
@@ -173,6 +183,8 @@ class ReplayExecutor(ExecutorBase):
             table.bind(sid, st, i)
             if sid in p.moved:
                 m.bind(sid, st, i)
+            if table.nbytes[sid] > p.made[i]:  # larger than planned: later ops make room first
+                self._outgrown(i, table.nbytes[sid])
             resident = table.live_bytes - m.away_bytes  # ``_note_resident``, inline
             if resident > self.peak_bytes:
                 self.peak_bytes, self.peak_op = resident, i
@@ -205,11 +217,11 @@ class ReplayExecutor(ExecutorBase):
         if flags & SCHEDULED:  # the plan moves storages around this op
             if flags & HAS_PRE:
                 self._act(p, 2 * i)
-            if m.pending_free:
+            if m.pending_free or flags & AFTER_DEATH:
                 m.reap()
             if flags & HAS_MOVED:
                 self._bring_moved(p.in_moved(i), p.writes(i) if flags & HAS_WRITES else None)
-        elif m.pending_free:
+        elif m.pending_free or flags & AFTER_DEATH:
             m.reap()
         if self._careful:  # a step larger than its plan, or evicting beyond it
             self._before_careful(i, func, args, kwargs)
@@ -281,11 +293,28 @@ class ReplayExecutor(ExecutorBase):
             elif not self._bind(i, p.binds(i), out, leaves):  # type: ignore[arg-type]
                 self._diverge_after(i, func, args, kwargs, leaves or [out], "an output is not a new storage")
                 return out
+            if p.made[i]:  # how much larger than planned this op's outputs came out
+                nbytes = table.nbytes
+                made = sum(nbytes[sid] for sid in p.bind_sid[p.bind_start[i]:p.bind_start[i + 1]])
+                if self._careful:
+                    ratios = self._made_ratio
+                    ratios[p.made[i]] = max(made / p.made[i], ratios.get(p.made[i], 0.0))
+                elif made > p.made[i]:
+                    self._outgrown(i, made)
         if flags & SCHEDULED:
             self._after(i)
         elif flags & BINDS and self._note_resident(i):  # else nothing can have grown what the device holds
             self._relieve(i)
         return out
+
+    def _outgrown(self, i: int, made: int) -> None:
+        """Op ``i`` made more bytes than its plan says (a plan of another size, whose first
+        activation was not smaller, can still have smaller storages elsewhere: another batch
+        size with another length): from here on every op makes room before it runs."""
+        planned = self.program.made[i]
+        self._made_ratio[planned] = max(made / planned, self._made_ratio.get(planned, 0.0))
+        self._grew = self._careful = True
+        self._settle()
 
     def _note_resident(self, i: int) -> bool:
         """Update the step's peak; whether it holds more than its limit."""
@@ -295,13 +324,27 @@ class ReplayExecutor(ExecutorBase):
         return resident > self._limit
 
     def _before_careful(self, i: int, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        p = self.program
-        if self._growth and p.made[i]:
-            made = int(p.made[i] * self._growth)
-            if self.table.live_bytes - self.manager.away_bytes + made > self._limit:
-                self._relieve(i, set(p.inputs(i) or ()), made)
+        self._make_room(i, self.program.inputs(i) or ())
         if self.relieved:
             self._bring_any(func, tensor_inputs(args, kwargs), args, kwargs)
+
+    def _make_room(self, i: int, inputs: Any) -> None:
+        """Before op ``i`` of a step larger than its plan (or relieved): room for what it is
+        about to make and for its inputs that must come back, keeping the inputs."""
+        p, m = self.program, self.manager
+        planned = p.made[i]
+        room = 0
+        if planned:
+            # An op that makes as many bytes at the plan's sizes as one already run (the same
+            # shape, another layer's or the backward's) grows at most as that one did
+            # (attention scores with the square of the length); else as the first activation
+            # did, or as planned once relieved (the plan under-counted something).
+            room = int(planned * (self._made_ratio.get(planned) or self._growth or 1.0))
+        if self.relieved and m.evicted:  # inputs evicted beyond the plan come back below
+            entries = m.entries
+            room += sum(e.nbytes for sid in inputs if (e := entries.get(sid)) is not None and not e.resident)
+        if room and self.table.live_bytes - m.away_bytes + room > self._limit:
+            self._relieve(i, set(inputs), room)
 
     def _inputs_match(self, ins: list[Tensor], expected: Sequence[int]) -> bool:
         if len(ins) != len(expected):
@@ -324,6 +367,16 @@ class ReplayExecutor(ExecutorBase):
                 return False
         return True
 
+    def _evictable_again(self, entries: Sequence[StorageEntry]) -> None:
+        """Storages back on the device after evicting beyond the plan may be evicted again
+        (the oldest first, as any other): without this, what came back stayed for the rest of
+        the step and the budget could not be kept."""
+        if self.relieved:
+            pinned, producer, heap = self.table.pinned, self.table.producer, self._heap
+            for entry in entries:
+                if entry.sid not in pinned:
+                    heapq.heappush(heap, (producer[entry.sid], -entry.nbytes, entry.sid))
+
     def _bring_moved(self, moved: Sequence[int], writes: Sequence[int] | None) -> None:
         m = self.manager
         entries, inflight = m.entries, m.inflight
@@ -333,6 +386,7 @@ class ReplayExecutor(ExecutorBase):
                 continue
             if not entry.resident:
                 m.copy_h2d(entry, demand=True)
+                self._evictable_again((entry,))
             elif inflight and inflight.get(entry.key) is entry:  # its H2D, not waited on yet
                 m.wait_h2d(entry)
         if writes is not None:
@@ -390,7 +444,16 @@ class ReplayExecutor(ExecutorBase):
         storage with a host copy makes that copy stale."""
         m = self.manager
         if m.evicted or m.inflight:
+            away = []
+            for t in ins:
+                try:
+                    entry = m.lookup(t.untyped_storage())
+                except (RuntimeError, NotImplementedError):
+                    continue
+                if entry is not None and not entry.resident:
+                    away.append(entry)
             m.page_in_inputs(ins)
+            self._evictable_again(away)
         written = written_tensors(func, args, kwargs)
         for t in written:
             try:
@@ -470,7 +533,10 @@ class ReplayExecutor(ExecutorBase):
             elif code == RELEASE:
                 m.release_device(entry)
             elif code == H2D:
+                if self._on_demand:  # much larger than the plan: its prefetches would overshoot
+                    continue
                 m.copy_h2d(entry)
+                self._evictable_again((entry,))
                 paged_in = True
             elif code == RELEASE_FINAL:
                 m.release_device(entry, final=True)
@@ -504,6 +570,8 @@ class ReplayExecutor(ExecutorBase):
         if flags & HAS_MOVED:
             self._bring_moved(p.in_moved(i), p.writes(i) if flags & HAS_WRITES else None)
         self._bring_in(kinds)  # a read the plan did not expect (checked at the end)
+        if self._careful:
+            self._make_room(i, kinds)
         if self.timer is not None:
             self._opaque_marks.append(self.timer.mark())
         region = _Region(i, kinds, in_ids)
@@ -675,7 +743,6 @@ class ReplayExecutor(ExecutorBase):
                 if st is not None and sid not in m.entries:
                     m.bind(sid, st, table.producer[sid])
         table.pinned.update(alt.pinned)
-        self.moved_sids.update(alt.moved)
         self.program = alt
         self._n = alt.num_ops
         self._keys = (*alt.keys, None)
@@ -688,7 +755,8 @@ class ReplayExecutor(ExecutorBase):
         planned = self.program.packed.size_of(0)
         ratio = self.first_size / planned if self.first_size > 0 and planned else 0.0
         self._growth = ratio if ratio > 1.0 else 0.0
-        self._careful = bool(self._growth) or self.relieved
+        self._on_demand = self._growth > ON_DEMAND_GROWTH
+        self._careful = bool(self._growth) or self.relieved or self._grew
         self._settle()
 
     def _diverge_after(self, i: int, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -61,8 +61,12 @@ SCHEDULED = HAS_PRE | HAS_POST | HAS_MOVED | HAS_WRITES
 NESTED_INPUTS = 16
 BINDS = 32  # the op makes new storages (bind_start says which)
 BINDS_OTHER = 64  # ... and not just one, its first output leaf
+# a storage the schedule moves died in the op before: let go of finished copies first (the
+# thread engine keeps a copy's tensors until the compute thread polls it, which would keep
+# that storage on the device past the death the plan counts on)
+AFTER_DEATH = 128
 # replay's lean path takes an op none of these bits is set for (see ``ReplayExecutor.run_op``)
-NOT_LEAN = NESTED_INPUTS | SCHEDULED | BINDS_OTHER
+NOT_LEAN = NESTED_INPUTS | SCHEDULED | BINDS_OTHER | AFTER_DEATH
 
 
 @dataclass(frozen=True, eq=False)
@@ -186,6 +190,9 @@ class ReplayProgram:
         flags = ((per_list[0::2] > 0) * HAS_PRE | (per_list[1::2] > 0) * HAS_POST
                  | (per_op_moved > 0) * HAS_MOVED | (per_op_written > 0) * HAS_WRITES
                  | np.frombuffer(base.structure_flags, dtype=np.uint8))
+        died = [death + 1 for sid, death in trace.death_ops.items() if sid in moved and death + 1 < n]
+        if died:
+            flags[np.asarray(died, dtype=np.int64)] |= AFTER_DEATH
         # bytes of the new storages each op makes, at these sizes
         bind_sid = _np(base.bind_sid)
         bind_op = np.repeat(ops, np.diff(_np(base.bind_start)))

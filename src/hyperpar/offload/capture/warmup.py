@@ -252,8 +252,7 @@ class WarmupExecutor(ExecutorBase):
         """The recorded trace, packed (no op objects are made)."""
         durations = timed_durations(self.durations, self.timer, self._marks_begin, self._marks_end,
                                     self._gaps_ms)
-        return packed_recording(self.columns, durations, self.table, self.moved_sids, self.budget_bytes,
-                                d2h_gbps, h2d_gbps)
+        return packed_recording(self.columns, durations, self.table, self.budget_bytes, d2h_gbps, h2d_gbps)
 
 
 def recorded_trace(ex: ExecutorBase, d2h_gbps: float, h2d_gbps: float, first_timed: int) -> ActivationTrace:
@@ -277,16 +276,12 @@ def recorded_trace(ex: ExecutorBase, d2h_gbps: float, h2d_gbps: float, first_tim
     for i, op in enumerate(ex.ops):
         for acc in op.accesses:
             last[acc.storage_id] = i
-    # When Python let go of a storage, for the ones no copy held on to; the others are tails
-    # (see ``packed_recording``).
-    late = {sid: op for sid, op in table.death.items() if sid in last and op > last[sid]}
-    deaths = {sid: op for sid, op in late.items() if sid not in ex.moved_sids}
-    pinned = frozenset(s for s in table.pinned if s in sizes)
+    # When Python let go of a storage (see ``packed_recording``).
+    deaths = {sid: op for sid, op in table.death.items() if sid in last and op > last[sid]}
     return ActivationTrace(
         ops=ex.ops, storage_sizes=sizes, retained_sids=retained,
         memory_limit_bytes=ex.budget_bytes, d2h_bandwidth_gbps=d2h_gbps,
         h2d_bandwidth_gbps=h2d_gbps, guides=ex.guides,
-        pinned_sids=pinned,
+        pinned_sids=frozenset(s for s in table.pinned if s in sizes),
         death_ops=deaths,
-        tail_sids=frozenset(late.keys() - deaths.keys()) - retained - pinned,
     )

@@ -65,9 +65,9 @@ class ActivationTrace:
     # sid -> the last op during which the storage was still alive, where that is later than
     # its last access (Python held it a while longer); it occupies the device until then.
     death_ops: dict[int, int] = field(default_factory=dict)
-    # Storages Python held past their last access that the warmup had to move off the device:
-    # the plan has them leave right after their last access (copied out after their last
-    # write, never brought back), so their lifetime here ends at that access.
+    # Storages held past their last access that the plan takes off the device right after it
+    # (copied out after their last write, never brought back; see ``planning.tails``): their
+    # lifetime on the device ends at that access, whatever ``death_ops`` says.
     tail_sids: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
@@ -81,7 +81,8 @@ class ActivationTrace:
 
     def lifetimes(self) -> dict[int, tuple[int, int]]:
         """sid -> (first op, last op it occupies the device) inclusive: its last access, or
-        later when it died later (``death_ops``); retained storages live to the last op."""
+        later when it died later (``death_ops``) unless it is a tail; retained storages live to
+        the last op."""
         first: dict[int, int] = {}
         last: dict[int, int] = {}
         for i, op in enumerate(self.ops):
@@ -90,7 +91,7 @@ class ActivationTrace:
                 last[acc.storage_id] = i
         end = len(self.ops) - 1
         for sid, death in self.death_ops.items():
-            if sid in last and death > last[sid]:
+            if sid in last and death > last[sid] and sid not in self.tail_sids:
                 last[sid] = min(death, end)
         for sid in self.retained_sids:
             if sid in first:

@@ -90,8 +90,11 @@ def _arrays(trace: ActivationTrace, counts: np.ndarray, access_sid: np.ndarray, 
     last_op = np.full(len(sids), -1, dtype=np.int64)
     np.maximum.at(last_op, dense, access_op)
     end_op = last_op.copy()
-    if trace.death_ops and len(sids):
-        dead = np.array(sorted(trace.death_ops.items()), dtype=np.int64).reshape(-1, 2)
+    deaths = trace.death_ops
+    if deaths and trace.tail_sids:  # a tail leaves the device at its last access
+        deaths = {sid: op for sid, op in deaths.items() if sid not in trace.tail_sids}
+    if deaths and len(sids):
+        dead = np.array(sorted(deaths.items()), dtype=np.int64).reshape(-1, 2)
         where = np.searchsorted(sids, dead[:, 0])
         ok = where < len(sids)
         ok[ok] = sids[where[ok]] == dead[ok, 0]

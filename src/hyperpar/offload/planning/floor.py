@@ -6,7 +6,9 @@ reached the floor is made of two things: storages kept after the step and never 
 again (parameter ``.grad`` tensors created in backward, the loss, outputs the caller
 keeps; nothing can bring them back before the step ends, so they cannot leave), and the
 op's own working set (every storage it reads or writes must be on the device while it
-runs). Everything else alive at that op is what a plan can move.
+runs). Everything else alive at that op is what a plan can move, tails included (storages
+Python holds past their last access and lets go of within the step: a plan takes them off
+after that access when it needs the room, ``planning.tails``).
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from hyperpar.offload.ir import ActivationTrace, StepReport
-from hyperpar.offload.planning.arrays import resident_without_offload, trace_arrays
+from hyperpar.offload.planning.arrays import arrays_given, resident_without_offload, trace_arrays
 from hyperpar.offload.planning.bounds import min_resident_bytes
+from hyperpar.offload.planning.tails import tails_taken
 
 MIB = 1 << 20
 
@@ -54,9 +57,12 @@ class BudgetFloor:
 
 
 def budget_floor(trace: ActivationTrace) -> BudgetFloor:
-    floor = min_resident_bytes(trace)
-    resident = resident_without_offload(trace_arrays(trace))
+    arrays = trace_arrays(trace)
+    resident = resident_without_offload(arrays)
     peak = int(resident.max()) if len(resident) else 0
+    trace, arrays = tails_taken(trace, arrays)
+    with arrays_given(trace, arrays):
+        floor = min_resident_bytes(trace)
     if not floor:
         return BudgetFloor(0, None, "", 0, 0, peak)
     op = max(range(len(floor)), key=floor.__getitem__)  # the first op where the floor is reached

@@ -11,8 +11,10 @@ from dataclasses import asdict, dataclass
 
 from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
 from hyperpar.offload.planning import prediction, timed
+from hyperpar.offload.planning.arrays import TraceArrays, arrays_given, trace_arrays
 from hyperpar.offload.planning.registry import get_planner
 from hyperpar.offload.planning.simulate import SimResult, simulate
+from hyperpar.offload.planning.tails import plan_with_tails
 
 # The loggers that say "plan exceeds the budget": every planner reports through one of them.
 DEFICIT_LOGGERS = (prediction.__name__, timed.__name__)
@@ -62,12 +64,18 @@ def deficit_warnings_muted() -> Iterator[None]:
 def plan_point(trace: ActivationTrace, planner: str, budget_fraction: float | None = None,
                ) -> tuple[PlanPoint, ResidencySchedule, SimResult]:
     """``budget_fraction``: the fraction of the peak the budget was made from, when it was
-    (``int(peak * f) / peak`` is a little less than ``f``: a table must not round it away)."""
-    started, cpu_started = time.perf_counter(), time.process_time()
-    schedule = get_planner(planner).build(trace)
-    seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
-    sim = simulate(trace, schedule)
+    (``int(peak * f) / peak`` is a little less than ``f``: a table must not round it away).
+    Planned as a session plans it, tails included (``planning.tails``)."""
     peak = trace.peak_bytes_without_offload()
+    started, cpu_started = time.perf_counter(), time.process_time()
+
+    def plan_once(trace: ActivationTrace, arrays: TraceArrays) -> tuple[ResidencySchedule, SimResult]:
+        with arrays_given(trace, arrays):
+            schedule = get_planner(planner).build(trace)
+            return schedule, simulate(trace, schedule)
+
+    _, schedule, sim = plan_with_tails(trace, trace_arrays(trace), plan_once)
+    seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
     point = PlanPoint(
         planner=planner,
         budget_bytes=trace.memory_limit_bytes,

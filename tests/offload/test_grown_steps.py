@@ -1,0 +1,71 @@
+"""A step much larger than every plan of its structure (here 2.7x the tokens of the only
+one, attention-like scores 7x) replays that plan at its own sizes: within the budget when
+the budget is feasible at those sizes, bitwise equal to plain PyTorch, and its report gives
+the floor of its own sizes, the one a fresh session's warmup of that step reports."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hyperpar.offload import OffloadConfig, OffloadSession
+
+MIB = 1 << 20
+D = 64
+
+
+def _weights() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(D, D, generator=g) / 8).requires_grad_() for _ in range(8)]
+
+
+def _run(session: OffloadSession | None, length: int, ws: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    for w in ws:
+        w.grad = None
+    x = torch.randn(2, length, D, generator=torch.Generator().manual_seed(length))
+
+    def body() -> torch.Tensor:
+        h = x
+        for k in range(0, len(ws), 2):
+            q = h @ ws[k]
+            scores = (q @ q.transpose(1, 2)) / D  # [2, L, L]: the square of the length
+            h = torch.relu((scores.softmax(-1) @ q) @ ws[k + 1]) + h
+        loss = h.square().mean()
+        loss.backward()
+        return loss.detach()
+
+    if session is None:
+        loss = body()
+    else:
+        with session:
+            loss = body()
+    return (loss, *(w.grad.clone() for w in ws))  # type: ignore[union-attr]
+
+
+def _session(budget: int) -> OffloadSession:
+    return OffloadSession(OffloadConfig(max_resident_activation_mb=budget / MIB))
+
+
+@pytest.mark.parametrize("fraction", [0.4, 0.6])
+def test_a_step_much_larger_than_its_plan_keeps_a_feasible_budget(fraction: float) -> None:
+    torch.set_num_threads(1)
+    ws = _weights()
+    probe = _session(1 << 40)
+    _run(probe, 256, ws)
+    assert probe.last_report is not None
+    budget = int(probe.last_report.peak_resident_bytes * fraction)
+    fresh = _session(budget)  # what a warmup of the large step alone reports
+    _run(fresh, 256, ws)
+    assert fresh.last_report is not None
+    floor = fresh.last_report.min_feasible_budget_bytes
+    assert floor is not None and floor < budget  # feasible
+    session = _session(budget)
+    for length, phase in ((96, "warmup"), (96, "replay"), (256, "replay"), (256, "replay")):
+        expected, got = _run(None, length, ws), _run(session, length, ws)
+        report = session.last_report
+        assert report is not None and report.phase == phase, report
+        assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True)), report
+        assert report.diverged_at is None, report
+        assert report.peak_resident_bytes <= budget * 1.05, f"length {length}: {report}"
+        if length == 256:
+            assert report.min_feasible_budget_bytes == floor, report
