@@ -116,6 +116,10 @@ def _tiny_ops(out: str) -> None:
         assert key in out
 
 
+def _grown_steps(out: str) -> None:
+    assert "first at 256" in out and "budget/peak" in out
+
+
 def _help(out: str) -> None:
     assert "usage: hyperpar" in out
 
@@ -163,6 +167,8 @@ KNOWN: dict[str, Run | Skip] = {
         (), _fuzz_failures),
     ".venv/bin/python benchmarks/tiny_ops.py --layers 21500 --out benchmarks/results/tiny_ops.json": Run(
         ("--layers", "40", "--out", "{tmp}/tiny_ops.json"), _tiny_ops),
+    ".venv/bin/python benchmarks/grown_steps.py --out benchmarks/results/grown_steps.json": Run(
+        ("--fractions", "0.4", "--out", "{tmp}/grown_steps.json"), _grown_steps),
     ".venv/bin/python benchmarks/gpu/run.py": Skip(
         "tests/benchmarks/test_gpu_script.py runs it as written at --device cpu --size tiny"),
     ".venv/bin/python -m pytest -q tests/reliability": Skip("a part of this test suite"),
