@@ -19,10 +19,11 @@ def _weights() -> list[torch.Tensor]:
     return [(torch.randn(D, D, generator=g) / 8).requires_grad_() for _ in range(8)]
 
 
-def _run(session: OffloadSession | None, length: int, ws: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+def _run(session: OffloadSession | None, length: int, ws: list[torch.Tensor], batch: int = 2
+         ) -> tuple[torch.Tensor, ...]:
     for w in ws:
         w.grad = None
-    x = torch.randn(2, length, D, generator=torch.Generator().manual_seed(length))
+    x = torch.randn(batch, length, D, generator=torch.Generator().manual_seed(length))
 
     def body() -> torch.Tensor:
         h = x
@@ -69,3 +70,26 @@ def test_a_step_much_larger_than_its_plan_keeps_a_feasible_budget(fraction: floa
         assert report.peak_resident_bytes <= budget * 1.05, f"length {length}: {report}"
         if length == 256:
             assert report.min_feasible_budget_bytes == floor, report
+
+
+def test_a_step_of_the_same_tokens_but_longer_rows_keeps_the_budget() -> None:
+    """Batch 4 x 96 then batch 2 x 192: the first activation (the tokens) is the same size,
+    so the step follows its plan without growth, but its scores are twice the plan's; the
+    first op that makes more than planned turns the rest of the step careful."""
+    torch.set_num_threads(1)
+    ws = _weights()
+    probe = _session(1 << 40)
+    _run(probe, 192, ws, batch=2)
+    assert probe.last_report is not None
+    budget = int(probe.last_report.peak_resident_bytes * 0.4)
+    fresh = _session(budget)
+    _run(fresh, 192, ws, batch=2)
+    assert fresh.last_report is not None and fresh.last_report.min_feasible_budget_bytes is not None
+    assert fresh.last_report.min_feasible_budget_bytes < budget  # feasible
+    session = _session(budget)
+    for length, batch, phase in ((96, 4, "warmup"), (96, 4, "replay"), (192, 2, "replay")):
+        expected, got = _run(None, length, ws, batch), _run(session, length, ws, batch)
+        report = session.last_report
+        assert report is not None and report.phase == phase, report
+        assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True)), report
+        assert report.peak_resident_bytes <= budget * 1.05, f"{batch} x {length}: {report}"

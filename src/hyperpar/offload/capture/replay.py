@@ -190,6 +190,8 @@ class ReplayExecutor(ExecutorBase):
                 self.peak_bytes, self.peak_op = resident, i
                 if resident > self._limit:
                     self._relieve(i)
+                elif resident > p.planned_resident[i] + SLACK_BYTES:
+                    self._off_plan()
         return out
 
     def _run_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -293,6 +295,7 @@ class ReplayExecutor(ExecutorBase):
             elif not self._bind(i, p.binds(i), out, leaves):  # type: ignore[arg-type]
                 self._diverge_after(i, func, args, kwargs, leaves or [out], "an output is not a new storage")
                 return out
+            p = self.program  # ``_bind`` may have picked the plan of the step's size
             if p.made[i]:  # how much larger than planned this op's outputs came out
                 nbytes = table.nbytes
                 made = sum(nbytes[sid] for sid in p.bind_sid[p.bind_start[i]:p.bind_start[i + 1]])
@@ -313,15 +316,24 @@ class ReplayExecutor(ExecutorBase):
         size with another length): from here on every op makes room before it runs."""
         planned = self.program.made[i]
         self._made_ratio[planned] = max(made / planned, self._made_ratio.get(planned, 0.0))
-        self._grew = self._careful = True
-        self._settle()
+        self._off_plan()
 
     def _note_resident(self, i: int) -> bool:
         """Update the step's peak; whether it holds more than its limit."""
         resident = self.table.live_bytes - self.manager.away_bytes
         if resident > self.peak_bytes:
             self.peak_bytes, self.peak_op = resident, i
+            if not self._careful and resident > self.program.planned_resident[i] + SLACK_BYTES:
+                self._off_plan()
         return resident > self._limit
+
+    def _off_plan(self) -> None:
+        """The step holds more than its plan says at this op (a plan of another size: another
+        batch size with another length can have larger storages than a larger plan's): from
+        here on every op makes room before it runs."""
+        if not self._careful:
+            self._grew = self._careful = True
+            self._settle()
 
     def _before_careful(self, i: int, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._make_room(i, self.program.inputs(i) or ())
@@ -753,6 +765,10 @@ class ReplayExecutor(ExecutorBase):
 
     def _note_growth(self) -> None:
         planned = self.program.packed.size_of(0)
+        if self.first_size >= 0 and self.first_size != planned:
+            # The plan's own peak over the budget (where the budget cannot be met at its sizes)
+            # says nothing at other sizes: only the budget is a limit here.
+            self._limit = _limit(self.budget_bytes, 0)
         ratio = self.first_size / planned if self.first_size > 0 and planned else 0.0
         self._growth = ratio if ratio > 1.0 else 0.0
         self._on_demand = self._growth > ON_DEMAND_GROWTH
