@@ -27,8 +27,11 @@ def _trace(budget: int) -> ActivationTrace:
     return trace
 
 
-def _plan(trace: ActivationTrace, planner: str) -> tuple[ActivationTrace, ResidencySchedule, SimResult]:
+def _plan(trace: ActivationTrace, planner: str, calls: list[int] | None = None
+          ) -> tuple[ActivationTrace, ResidencySchedule, SimResult]:
     def once(t: ActivationTrace, a: TraceArrays) -> tuple[ResidencySchedule, SimResult]:
+        if calls is not None:
+            calls.append(len(t.tail_sids))
         with arrays_given(t, a):
             schedule = get_planner(planner).build(t)
             return schedule, simulate(t, schedule)
@@ -39,7 +42,9 @@ def _plan(trace: ActivationTrace, planner: str) -> tuple[ActivationTrace, Reside
 @pytest.mark.parametrize("planner", ["greedy", "timed"])
 def test_a_tail_leaves_after_its_last_access_only_where_the_budget_needs_it(planner: str) -> None:
     tight = _trace(budget=140)  # op 1's own 140; sid 1 kept makes op 2 hold 180
-    planned, schedule, sim = _plan(tight, planner)
+    calls: list[int] = []
+    planned, schedule, sim = _plan(tight, planner, calls)
+    assert calls == [1]  # no plan keeping sid 1 meets 140 at op 2: planned once, without it
     assert planned.tail_sids == {1}
     assert actions_text(schedule.post[0]) == ["d2h 1"]  # after its (only) write
     assert "free 1" in actions_text(schedule.post[1])  # after its last access

@@ -468,12 +468,12 @@ class OffloadSession:
 
         def plan_once(trace: ActivationTrace, arrays: TraceArrays) -> tuple[ResidencySchedule, SimResult]:
             with arrays_given(trace, arrays), simulations_kept() as sims:
-                with deficit_warnings_muted() if below_floor else contextlib.nullcontext():
-                    schedule = self.config.resolved_planner().build(trace)
+                schedule = self.config.resolved_planner().build(trace)
                 return schedule, kept_simulation(sims, schedule) or simulate(trace, schedule)
 
         # the plan's trace may mark tails; ``packed`` keeps the recorded one
-        trace, schedule, sim = plan_with_tails(trace, arrays, plan_once)
+        with deficit_warnings_muted() if below_floor else contextlib.nullcontext():
+            trace, schedule, sim = plan_with_tails(trace, arrays, plan_once)
         predicted = schedule.notes.get("predicted_step_ms")
         if not isinstance(predicted, (int, float)) or isinstance(predicted, bool):
             predicted = sim.predicted_step_ms

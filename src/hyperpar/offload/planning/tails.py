@@ -3,9 +3,10 @@ local variable, a list of a model's intermediate outputs, HF GPT-2's input embed
 its forward returns).
 
 No op reads a tail again, so taking one off the device costs one copy out and nothing back;
-kept, it holds its bytes until it dies. A step is planned with its tails kept first; if that
-plan runs over the budget, the tails alive at the ops where it does are taken off right
-after their last access (``emit_schedule`` copies each out after its last write; the host
+kept, it holds its bytes until it dies. A step is planned with its tails kept first (those alive
+where no plan that keeps them can meet the budget are taken off at once); if that plan runs
+over the budget, the tails alive at the ops where it does are taken off right after their
+last access (``emit_schedule`` copies each out after its last write; the host
 copy stays while Python holds it) and the step is planned again. Only then: moving every
 tail of a HF Llama step at 40 % of its peak more than doubled the bytes copied out
 (2.14 -> 4.92 MiB a step) for the same peak. The floor counts tails as movable whatever the
@@ -22,7 +23,8 @@ import numpy as np
 
 from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
 from hyperpar.offload.planning import prediction
-from hyperpar.offload.planning.arrays import TraceArrays
+from hyperpar.offload.planning.arrays import TraceArrays, arrays_given
+from hyperpar.offload.planning.bounds import min_resident_bytes
 from hyperpar.offload.planning.simulate import SimResult
 
 PlanOnce = Callable[[ActivationTrace, TraceArrays], tuple[ResidencySchedule, SimResult]]
@@ -39,21 +41,39 @@ def plan_with_tails(trace: ActivationTrace, arrays: TraceArrays, plan: PlanOnce
     if not tail.any():
         schedule, sim = plan(trace, arrays)
         return trace, schedule, sim
+    budget = trace.memory_limit_bytes
+    with arrays_given(trace, arrays):
+        kept_floor = np.asarray(min_resident_bytes(trace))
+    hit = _alive_where(arrays, tail, kept_floor > budget)  # no plan keeping these meets the budget
+    if hit.any():
+        trace, arrays = _take(trace, arrays, hit)
+        tail &= ~hit
     with deficit_warnings_muted():  # said below if the tails do not help
         schedule, sim = plan(trace, arrays)
-    budget = trace.memory_limit_bytes
-    if sim.peak_resident_bytes <= budget:
+    if sim.peak_resident_bytes <= budget or not tail.any():
+        if sim.peak_resident_bytes > budget:
+            _say_deficit(schedule, budget)
         return trace, schedule, sim
-    over = np.concatenate([[0], np.cumsum(np.asarray(sim.resident_bytes) > budget)])
-    hit = tail & (over[arrays.end_op + 1] > over[arrays.last_op + 1])  # over at some op in (last, end]
+    hit = _alive_where(arrays, tail, np.asarray(sim.resident_bytes) > budget)
     if not hit.any():
-        logging.getLogger(prediction.__name__).warning(
-            "%s plan exceeds the budget of %d bytes by %d bytes at op %s",
-            schedule.planner, budget, schedule.deficit_bytes, schedule.deficit_op)
+        _say_deficit(schedule, budget)
         return trace, schedule, sim
     trace, arrays = _take(trace, arrays, hit)
     schedule, sim = plan(trace, arrays)
     return trace, schedule, sim
+
+
+def _alive_where(arrays: TraceArrays, tail: np.ndarray, over: np.ndarray) -> np.ndarray:
+    """The tails alive past their last access at some op where ``over`` holds."""
+    count = np.concatenate([[0], np.cumsum(over)])
+    return tail & (count[arrays.end_op + 1] > count[arrays.last_op + 1])
+
+
+def _say_deficit(schedule: ResidencySchedule, budget: int) -> None:
+    """What the planner would have said of its plan (muted while tails might still help)."""
+    logging.getLogger(prediction.__name__).warning(
+        "%s plan exceeds the budget of %d bytes by %d bytes at op %s",
+        schedule.planner, budget, schedule.deficit_bytes, schedule.deficit_op)
 
 
 def tails_taken(trace: ActivationTrace, arrays: TraceArrays) -> tuple[ActivationTrace, TraceArrays]:
