@@ -85,6 +85,26 @@ def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, counts: list[int],
     return out
 
 
+def grouped_mm_cast(rows: torch.Tensor, weight: torch.Tensor, counts: list[int],
+                    transpose: bool = False) -> torch.Tensor:
+    """``grouped_mm(rows, weight)`` (``weight.transpose(1, 2)`` with ``transpose``) for a weight
+    wider than ``rows`` (the ``gemm_dtype`` opt-in): each group's weight is cast into one reused
+    buffer right before its ``mm``, instead of casting the whole stack into a fresh tensor per
+    call. The values are those of casting first (a cast is element by element); the stack-sized
+    copy cost new pages (page faults) every call, the buffer is touched once and stays in cache."""
+    width = weight.shape[1] if transpose else weight.shape[2]
+    out = rows.new_empty(rows.shape[0], width)
+    buffer = torch.empty(weight.shape[1:], dtype=rows.dtype, device=rows.device)
+    operand = buffer.t() if transpose else buffer
+    start = 0
+    for g, count in enumerate(counts):
+        if count:
+            buffer.copy_(weight[g])
+            torch.mm(rows[start:start + count], operand, out=out[start:start + count])
+        start += count
+    return out
+
+
 def grouped_weight_grad(rows: torch.Tensor, grad: torch.Tensor, counts: list[int],
                         offsets: torch.Tensor) -> torch.Tensor:
     """``out[g] = rows[group g].T @ grad[group g]``: rows [R, K], grad [R, N] -> [G, K, N]."""
