@@ -136,6 +136,7 @@ def weight_grad_as(dtype: torch.dtype, rows: torch.Tensor, grad: torch.Tensor, c
     out = torch.empty(groups, depth, grad.shape[1], dtype=dtype, device=rows.device)
     block = -(-groups // blocks)
     slices = _column_slices(depth, -(-blocks // groups), rows.element_size())
+    narrow: torch.Tensor | None = None  # one-group blocks: one reused product buffer, not fresh pages
     start = 0
     for first in range(0, groups, block):
         last = min(groups, first + block)
@@ -144,7 +145,11 @@ def weight_grad_as(dtype: torch.dtype, rows: torch.Tensor, grad: torch.Tensor, c
         for part_rows in slices:
             if last - first == 1:
                 if size:
-                    out[first, part_rows].copy_(torch.mm(block_rows[:, part_rows].t(), block_grad))
+                    if narrow is None:
+                        narrow = rows.new_empty(max(s.stop - s.start for s in slices), grad.shape[1])
+                    product = narrow[:part_rows.stop - part_rows.start]
+                    torch.mm(block_rows[:, part_rows].t(), block_grad, out=product)
+                    out[first, part_rows].copy_(product)
                 else:
                     out[first, part_rows].zero_()
                 continue
