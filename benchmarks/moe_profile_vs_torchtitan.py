@@ -21,7 +21,6 @@ import collections
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -31,7 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from moe_before_after import run_two_ranks  # this folder is on the path when run as a script
 from torch.utils._python_dispatch import TorchDispatchMode
 
 VARIANTS = ("MoeExperts", "torchtitan")
@@ -109,18 +108,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here")
     args = parser.parse_args()
     loads = [os.getloadavg()[0]]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, args.shape, args.dtype, args.steps, queue))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=1800) for _ in procs)
-    for p in procs:
-        p.join()
+    results = run_two_ranks(_rank, (args.shape, args.dtype, args.steps))
     loads.append(os.getloadavg()[0])
     for name in VARIANTS:
         mine = {r: results[r][name] for r in sorted(results)}
