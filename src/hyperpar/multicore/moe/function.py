@@ -63,8 +63,8 @@ class ExpertMath:
 class GemmWeights:
     """The expert weights as GEMM operands for one call. Without ``gemm_dtype`` (or with weights
     already in it) they are used as they are; with the opt-in each expert's weight is cast into a
-    reused buffer right before its ``mm`` (``grouped_mm_cast``): no stack-sized copy is made or
-    held, so there is nothing to drop (``release`` stays for the callers' bookkeeping)."""
+    reused buffer right before its ``mm`` (``grouped_mm_cast``): no stack-sized copy is made, so
+    none is held between GEMMs or while the weight gradients are taken."""
 
     def __init__(self, math: ExpertMath, gate_up: Tensor, down: Tensor) -> None:
         self._math = math
@@ -78,9 +78,6 @@ class GemmWeights:
             return grouped_mm(rows, weight.transpose(1, 2) if transpose else weight, counts,
                               route.expert_offsets)
         return grouped_mm_cast(rows, weight, counts, transpose)
-
-    def release(self) -> None:
-        """Nothing is held between GEMMs any more (kept so callers need not know)."""
 
 
 @dataclass
@@ -423,7 +420,7 @@ def _forward(call: MoeCall, hidden: Tensor, topk_ids: Tensor, topk_weights: Tens
     keep = plan.backward_dispatch  # some EP rank runs the expert-side backward
     saved_rows: list[Tensor] = []
     saved_pre: list[Tensor] = []
-    weights = GemmWeights(math, gate_up, down)  # cast once per call
+    weights = GemmWeights(math, gate_up, down)
     wire = math.wire(hidden.dtype)
 
     def compute(c: int, route: ChunkRoute, rows: Tensor, _: Tensor | None) -> tuple[Tensor, None]:
@@ -435,7 +432,6 @@ def _forward(call: MoeCall, hidden: Tensor, topk_ids: Tensor, topk_weights: Tens
 
     expert_out, _ = route_rows(hidden, True, plan, call.workspace, math, compute)
     assert expert_out is not None
-    weights.release()
     output = weighted_sum(expert_out.to(hidden.dtype).view(tokens, top_k, hidden_size), topk_weights)
     like = hidden.new_empty(0, dtype=wire)
     return output, _joined(saved_rows, like, hidden_size), _joined(saved_pre, like, 2 * down.shape[1])
@@ -476,10 +472,7 @@ def _backward(call: MoeCall, grad_output: Tensor, topk_weights: Tensor, gate_up:
         route_weights = topk_weights.to(grad.dtype).reshape(tokens * top_k)
         down_grads: list[Tensor | None] = [None]
         pending: list[PieceWeightGrads] = []  # every piece's gate_up gradient, taken at the end
-        # cast once per call, and dropped after the last piece's GEMMs: not held (with the
-        # gemm_dtype opt-in, a copy) while the weight gradients are taken
         weights = GemmWeights(math, gate_up, down)
-        pieces_left = [len(plan.chunks)]
 
         def compute(c: int, route: ChunkRoute, rows: Tensor, scale: Tensor | None,
                     ) -> tuple[Tensor | None, Tensor | None]:
@@ -490,9 +483,6 @@ def _backward(call: MoeCall, grad_output: Tensor, topk_weights: Tensor, gate_up:
                 want_expert_weights, plan.backward_combine, plan.backward_route_weights)
             if grads is not None:
                 pending.append(grads)
-            pieces_left[0] -= 1
-            if pieces_left[0] == 0:
-                weights.release()
             return out, scale_grad
 
         def down_weight_grad(c: int) -> None:  # while piece c's results are on the wire back
