@@ -136,6 +136,25 @@ def _rank(rank: int, port: int, root: str, names: list[str], steps: int, cells: 
     dist.destroy_process_group()
 
 
+def run_two_ranks(target: Any, args: tuple[Any, ...]) -> dict[int, Any]:
+    """Run ``target(rank, port, *args, queue)`` in two spawned processes (a gloo pair on a free
+    local port); what each put on the queue as ``(rank, result)``, by rank."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, port, *args, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=1800) for _ in procs)
+    for p in procs:
+        p.join()
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--src", action="append", required=True, help="NAME=PATH of a src directory")
@@ -148,24 +167,12 @@ def main() -> None:
     trees = dict(item.split("=", 1) for item in args.src)
     names = list(trees)
     import torch
-    import torch.multiprocessing as mp
 
     loads = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as root:
         for i, path in enumerate(trees.values()):
             _renamed_copy(Path(path).resolve(), Path(root), f"hyperpar_ab{i}")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        ctx = mp.get_context("spawn")
-        queue = ctx.Queue()
-        procs = [ctx.Process(target=_rank, args=(r, port, root, names, args.steps, args.cell, queue))
-                 for r in range(2)]
-        for p in procs:
-            p.start()
-        results = dict(queue.get(timeout=1800) for _ in procs)
-        for p in procs:
-            p.join()
+        results = run_two_ranks(_rank, (root, names, args.steps, args.cell))
     loads.append(os.getloadavg()[0])
     summary: dict[str, Any] = {}
     print(f"{'cell':30s}" + "".join(f"{n:>12s}" for n in names) + "   ratios to " + names[0]

@@ -9,6 +9,7 @@ from hyperpar.multicore.moe import grouped_gemm
 from hyperpar.multicore.moe.grouped_gemm import (
     group_offsets,
     grouped_mm,
+    grouped_mm_cast,
     grouped_weight_grad,
     set_grouped_mm_enabled,
 )
@@ -51,6 +52,21 @@ def test_matches_per_group_matmul(dtype: torch.dtype, fused: bool) -> None:
     torch.testing.assert_close(dw, want_dw, rtol=tol, atol=tol)
     assert dx.shape == rows.shape
     assert torch.equal(dw[1], torch.zeros_like(dw[1]))  # the group without rows: exact zeros
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+def test_cast_per_group_equals_casting_the_stack_first(transpose: bool) -> None:
+    """The opt-in's per-expert cast into a reused buffer: bitwise what a cast of the whole
+    float32 stack followed by the grouped GEMM gives (empty group included)."""
+    torch.set_num_threads(1)
+    rows, weight, _ = _operands(torch.float32, k=32, n=48)
+    rows = rows.to(torch.bfloat16) if not transpose else torch.randn(sum(COUNTS), 48).to(torch.bfloat16)
+    narrow = weight.to(torch.bfloat16)
+    offsets = group_offsets(COUNTS, rows.device)
+    want = grouped_mm(rows, narrow.transpose(1, 2) if transpose else narrow, COUNTS, offsets)
+    got = grouped_mm_cast(rows, weight, COUNTS, transpose)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    assert torch.equal(got, want)
 
 
 def test_unaligned_shapes_fall_back_to_the_loop() -> None:

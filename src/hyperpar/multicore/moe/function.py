@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .combine import weighted_sum
-from .grouped_gemm import grouped_mm, weight_grad_as
+from .grouped_gemm import grouped_mm, grouped_mm_cast, weight_grad_as
 from .packing import Blocks
 from .routing import ChunkRoute, GradNeeds, RoutePlan, RoutingSetup, build_route_plan
 from .swiglu import swiglu_as, swiglu_backward_as
@@ -61,29 +61,23 @@ class ExpertMath:
 
 
 class GemmWeights:
-    """The expert weights as GEMM operands for one call: each cast (with ``gemm_dtype``, a
-    copy) when a GEMM first needs it, and dropped by ``release`` once the last one has, so
-    the copies are not held longer than the GEMMs that read them."""
+    """The expert weights as GEMM operands for one call. Without ``gemm_dtype`` (or with weights
+    already in it) they are used as they are; with the opt-in each expert's weight is cast into a
+    reused buffer right before its ``mm`` (``grouped_mm_cast``): no stack-sized copy is made, so
+    none is held between GEMMs or while the weight gradients are taken."""
 
     def __init__(self, math: ExpertMath, gate_up: Tensor, down: Tensor) -> None:
         self._math = math
         self._weights = {"gate_up": gate_up, "down": down}
-        self._operands: dict[str, Tensor] = {}
 
-    def _get(self, name: str) -> Tensor:
-        operand = self._operands.get(name)
-        if operand is None:
-            operand = self._operands[name] = self._math.gemm(self._weights[name])
-        return operand
-
-    def gate_up(self) -> Tensor:
-        return self._get("gate_up")
-
-    def down(self) -> Tensor:
-        return self._get("down")
-
-    def release(self) -> None:
-        self._operands.clear()
+    def mm(self, rows: Tensor, name: str, route: ChunkRoute, transpose: bool = False) -> Tensor:
+        """``rows`` times each group's ``name`` weight (transposed with ``transpose``)."""
+        weight = self._weights[name]
+        counts = route.expert_counts
+        if self._math.gemm_dtype is None or weight.dtype == self._math.gemm_dtype:
+            return grouped_mm(rows, weight.transpose(1, 2) if transpose else weight, counts,
+                              route.expert_offsets)
+        return grouped_mm_cast(rows, weight, counts, transpose)
 
 
 @dataclass
@@ -125,9 +119,9 @@ def _exchange(out: Tensor, inp: Tensor, out_splits: list[int], in_splits: list[i
 def _experts_forward(rows: Tensor, weights: GemmWeights, route: ChunkRoute,
                      math: ExpertMath, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """(pre-activation, output) in the rows' (wire) dtype; SwiGLU runs in ``dtype``, the input's."""
-    pre = grouped_mm(rows, weights.gate_up(), route.expert_counts, route.expert_offsets)
+    pre = weights.mm(rows, "gate_up", route)
     act = swiglu_as(pre, dtype, math.swiglu_limit)  # in the wire dtype: a GEMM operand
-    return pre, grouped_mm(math.gemm(act), weights.down(), route.expert_counts, route.expert_offsets)
+    return pre, weights.mm(math.gemm(act), "down", route)
 
 
 @dataclass
@@ -170,15 +164,14 @@ def _experts_backward(rows: Tensor, pre: Tensor, grad: Tensor, scale: Tensor, we
     weights' gradient ([R] in ``dtype``, the input's) and the weight gradients still to take.
     ``grad`` holds the received rows of the output's gradient, not yet multiplied by their route
     weight ``scale``: SwiGLU's backward applies it (see ``swiglu_backward``)."""
-    counts, offsets = route.expert_counts, route.expert_offsets
-    act_grad = grouped_mm(grad, weights.down().transpose(1, 2), counts, offsets)
+    act_grad = weights.mm(grad, "down", route, transpose=True)
     # in the wire dtype from here on: only GEMMs read them
     pre_grad, act, scale_grad = swiglu_backward_as(pre, act_grad, dtype, math.swiglu_limit, scale,
                                                    want_activation=want_weights, want_scale_grad=want_scale)
     del act_grad
     rows_grad = None
     if want_rows:
-        rows_grad = grouped_mm(pre_grad, weights.gate_up().transpose(1, 2), counts, offsets)
+        rows_grad = weights.mm(pre_grad, "gate_up", route, transpose=True)
     pending = PieceWeightGrads(rows, pre_grad, act, grad, route) if want_weights else None
     return rows_grad, scale_grad, pending
 
@@ -427,7 +420,7 @@ def _forward(call: MoeCall, hidden: Tensor, topk_ids: Tensor, topk_weights: Tens
     keep = plan.backward_dispatch  # some EP rank runs the expert-side backward
     saved_rows: list[Tensor] = []
     saved_pre: list[Tensor] = []
-    weights = GemmWeights(math, gate_up, down)  # cast once per call
+    weights = GemmWeights(math, gate_up, down)
     wire = math.wire(hidden.dtype)
 
     def compute(c: int, route: ChunkRoute, rows: Tensor, _: Tensor | None) -> tuple[Tensor, None]:
@@ -439,7 +432,6 @@ def _forward(call: MoeCall, hidden: Tensor, topk_ids: Tensor, topk_weights: Tens
 
     expert_out, _ = route_rows(hidden, True, plan, call.workspace, math, compute)
     assert expert_out is not None
-    weights.release()
     output = weighted_sum(expert_out.to(hidden.dtype).view(tokens, top_k, hidden_size), topk_weights)
     like = hidden.new_empty(0, dtype=wire)
     return output, _joined(saved_rows, like, hidden_size), _joined(saved_pre, like, 2 * down.shape[1])
@@ -480,10 +472,7 @@ def _backward(call: MoeCall, grad_output: Tensor, topk_weights: Tensor, gate_up:
         route_weights = topk_weights.to(grad.dtype).reshape(tokens * top_k)
         down_grads: list[Tensor | None] = [None]
         pending: list[PieceWeightGrads] = []  # every piece's gate_up gradient, taken at the end
-        # cast once per call, and dropped after the last piece's GEMMs: not held (with the
-        # gemm_dtype opt-in, a copy) while the weight gradients are taken
         weights = GemmWeights(math, gate_up, down)
-        pieces_left = [len(plan.chunks)]
 
         def compute(c: int, route: ChunkRoute, rows: Tensor, scale: Tensor | None,
                     ) -> tuple[Tensor | None, Tensor | None]:
@@ -494,9 +483,6 @@ def _backward(call: MoeCall, grad_output: Tensor, topk_weights: Tensor, gate_up:
                 want_expert_weights, plan.backward_combine, plan.backward_route_weights)
             if grads is not None:
                 pending.append(grads)
-            pieces_left[0] -= 1
-            if pieces_left[0] == 0:
-                weights.release()
             return out, scale_grad
 
         def down_weight_grad(c: int) -> None:  # while piece c's results are on the wire back

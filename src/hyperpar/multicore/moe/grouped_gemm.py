@@ -85,6 +85,26 @@ def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, counts: list[int],
     return out
 
 
+def grouped_mm_cast(rows: torch.Tensor, weight: torch.Tensor, counts: list[int],
+                    transpose: bool = False) -> torch.Tensor:
+    """``grouped_mm(rows, weight)`` (``weight.transpose(1, 2)`` with ``transpose``) for a weight
+    wider than ``rows`` (the ``gemm_dtype`` opt-in): each group's weight is cast into one reused
+    buffer right before its ``mm``, instead of casting the whole stack into a fresh tensor per
+    call. The values are those of casting first (a cast is element by element); the stack-sized
+    copy cost new pages (page faults) every call, the buffer is touched once and stays in cache."""
+    width = weight.shape[1] if transpose else weight.shape[2]
+    out = rows.new_empty(rows.shape[0], width)
+    buffer = torch.empty(weight.shape[1:], dtype=rows.dtype, device=rows.device)
+    operand = buffer.t() if transpose else buffer
+    start = 0
+    for g, count in enumerate(counts):
+        if count:
+            buffer.copy_(weight[g])
+            torch.mm(rows[start:start + count], operand, out=out[start:start + count])
+        start += count
+    return out
+
+
 def grouped_weight_grad(rows: torch.Tensor, grad: torch.Tensor, counts: list[int],
                         offsets: torch.Tensor) -> torch.Tensor:
     """``out[g] = rows[group g].T @ grad[group g]``: rows [R, K], grad [R, N] -> [G, K, N]."""
@@ -116,6 +136,7 @@ def weight_grad_as(dtype: torch.dtype, rows: torch.Tensor, grad: torch.Tensor, c
     out = torch.empty(groups, depth, grad.shape[1], dtype=dtype, device=rows.device)
     block = -(-groups // blocks)
     slices = _column_slices(depth, -(-blocks // groups), rows.element_size())
+    narrow: torch.Tensor | None = None  # one-group blocks: one reused product buffer, not fresh pages
     start = 0
     for first in range(0, groups, block):
         last = min(groups, first + block)
@@ -124,7 +145,11 @@ def weight_grad_as(dtype: torch.dtype, rows: torch.Tensor, grad: torch.Tensor, c
         for part_rows in slices:
             if last - first == 1:
                 if size:
-                    out[first, part_rows].copy_(torch.mm(block_rows[:, part_rows].t(), block_grad))
+                    if narrow is None:
+                        narrow = rows.new_empty(max(s.stop - s.start for s in slices), grad.shape[1])
+                    product = narrow[:part_rows.stop - part_rows.start]
+                    torch.mm(block_rows[:, part_rows].t(), block_grad, out=product)
+                    out[first, part_rows].copy_(product)
                 else:
                     out[first, part_rows].zero_()
                 continue
