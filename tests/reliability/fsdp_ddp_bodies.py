@@ -37,17 +37,18 @@ def _wrap(kind: str) -> nn.Module:
     return DistributedDataParallel(model)
 
 
-def _batch(rank: int, step: int) -> torch.Tensor:
-    return torch.randn(16, 32, generator=torch.Generator().manual_seed(100 * step + rank))
+def _batch(rank: int, step: int, rows: int = 16) -> torch.Tensor:
+    return torch.randn(rows, 32, generator=torch.Generator().manual_seed(100 * step + rank))
 
 
 def _train(kind: str, rank: int, session: OffloadSession | None, steps: int = STEPS,
-           ) -> tuple[list[torch.Tensor], nn.Module, list[dict[str, Any]]]:
+           rows: tuple[int, ...] = (16,)) -> tuple[list[torch.Tensor], nn.Module, list[dict[str, Any]]]:
+    """``rows``: each step's batch size, in turn."""
     model = _wrap(kind)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     losses, reports = [], []
     for step in range(steps):
-        x = _batch(rank, step)
+        x = _batch(rank, step, rows[step % len(rows)])
         t0 = time.process_time()
         if session is None:
             loss = model(x).square().mean()
@@ -99,3 +100,23 @@ def offload_matches_plain(rank: int, world: int, kind: str, fractions: tuple[flo
             "steps": steps,
         }
     return out
+
+
+def variable_batches_match_plain(rank: int, world: int, kind: str, fraction: float) -> dict[str, Any]:
+    """Each rank its own batch size every step (256..1024 rows, the ranks in another order:
+    budgets of megabytes, so that replay's 64 KiB of slack is a few per cent), at ``fraction``
+    of the largest batch's steady peak: bitwise equality and what each step reported."""
+    rows = (256, 768, 384, 1024, 256, 640) if rank == 0 else (640, 256, 1024, 384, 768, 256)
+    probe = OffloadSession(OffloadConfig(max_resident_activation_mb=1e9))
+    _train(kind, rank, probe, steps=2, rows=(1024,))
+    budget = int(fraction * probe.last_report.peak_resident_bytes)
+    plain_losses, plain_model, _ = _train(kind, rank, None, steps=len(rows), rows=rows)
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=budget / MIB))
+    losses, model, steps = _train(kind, rank, session, steps=len(rows), rows=rows)
+    return {
+        "budget": budget,
+        "losses_equal": all(torch.equal(a, b) for a, b in zip(plain_losses, losses, strict=True)),
+        "params_equal": all(torch.equal(_local(a), _local(b)) for a, b in
+                            zip(plain_model.parameters(), model.parameters(), strict=True)),
+        "steps": steps,
+    }

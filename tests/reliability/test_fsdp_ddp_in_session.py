@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from tests.rank_harness import run_ranks
-from tests.reliability.fsdp_ddp_bodies import offload_matches_plain
+from tests.reliability.fsdp_ddp_bodies import offload_matches_plain, variable_batches_match_plain
 
 FRACTIONS = (0.5, 0.0)
 
@@ -39,3 +39,27 @@ def test_offload_inside_fsdp2_and_ddp_matches_plain(kind: str) -> None:
                 # FSDP2 allocates its buffers in the step (DDP's buckets exist before it)
                 assert (foreign["touched"] > 0) == (kind == "fsdp"), where
                 assert foreign["unpinned"] == 0 and foreign["moved"] == 0, (where, foreign)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["fsdp", "ddp"])
+def test_variable_batch_sizes_per_rank_stay_bitwise_and_within_budget(kind: str) -> None:
+    """Issue 12 with FSDP2 / DDP: every step another batch size on each rank (the ranks never
+    the same size at once), 40 % of the largest batch's peak: losses and parameters bitwise
+    equal to the plain run, feasible steps within the budget and replay's slack, FSDP2's and
+    the collectives' buffers never moved."""
+    results = run_ranks(variable_batches_match_plain, 2, args=(kind, 0.4), timeout=45)
+    for rank, out in results.items():
+        where = f"{kind}, rank {rank}"
+        assert out["losses_equal"] and out["params_equal"], where
+        budget = out["budget"]
+        limit = max(1.05 * budget, budget + (64 << 10))  # replay's slack
+        phases = [step["report"]["phase"] for step in out["steps"]]
+        assert phases.count("replay") >= 3, (where, phases)
+        for step in out["steps"]:
+            report, foreign = step["report"], step["foreign"]
+            assert foreign["unpinned"] == 0 and foreign["moved"] == 0, (where, foreign)
+            floor = report["min_feasible_budget_bytes"]
+            if floor is not None and floor <= budget:
+                assert report["peak_resident_bytes"] <= limit, (where, report)
