@@ -93,3 +93,38 @@ def test_a_step_of_the_same_tokens_but_longer_rows_keeps_the_budget() -> None:
         assert report is not None and report.phase == phase, report
         assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True)), report
         assert report.peak_resident_bytes <= budget * 1.05, f"{batch} x {length}: {report}"
+
+
+def test_a_storage_empty_at_the_plans_size_may_fill_at_another() -> None:
+    """``h[:, 96:]`` is empty at length 96 and not at 128: the plan made at 96 binds no storage
+    for it (an empty output is no activation), so at 128 that op's bytes go untracked; the
+    step must still replay bitwise."""
+    torch.set_num_threads(1)
+    ws = _weights()
+
+    def run(session: OffloadSession | None, length: int) -> tuple[torch.Tensor, ...]:
+        for w in ws:
+            w.grad = None
+        x = torch.randn(2, length, D, generator=torch.Generator().manual_seed(length))
+
+        def body() -> torch.Tensor:
+            h = torch.relu(x @ ws[0])
+            tail = (h[:, 96:] @ ws[1]).sum()  # nothing at length 96
+            loss = (h @ ws[2]).square().mean() + tail
+            loss.backward()
+            return loss.detach()
+
+        if session is None:
+            loss = body()
+        else:
+            with session:
+                loss = body()
+        return (loss, *(w.grad.clone() for w in ws[:3]))  # type: ignore[union-attr]
+
+    probe = _session(1 << 40)
+    run(probe, 128)
+    assert probe.last_report is not None
+    session = _session(int(probe.last_report.peak_resident_bytes * 0.5))
+    for length in (96, 96, 128, 128):
+        expected, got = run(None, length), run(session, length)
+        assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True)), session.last_report

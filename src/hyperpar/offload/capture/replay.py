@@ -315,7 +315,8 @@ class ReplayExecutor(ExecutorBase):
         activation was not smaller, can still have smaller storages elsewhere: another batch
         size with another length): from here on every op makes room before it runs."""
         planned = self.program.made[i]
-        self._made_ratio[planned] = max(made / planned, self._made_ratio.get(planned, 0.0))
+        if planned:  # (an empty storage at the plan's sizes says nothing of growth)
+            self._made_ratio[planned] = max(made / planned, self._made_ratio.get(planned, 0.0))
         self._off_plan()
 
     def _note_resident(self, i: int) -> bool:
