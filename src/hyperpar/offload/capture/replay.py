@@ -127,11 +127,12 @@ class ReplayExecutor(ExecutorBase):
         self.relieved = False  # evicted beyond the plan: every op pages in and marks writes
         self.first_size = -1  # bytes of the step's first activation (picks the size's plan)
         self._growth = 0.0  # when > 1: this step's sizes over the plan's; room is made before ops
-        self._careful = False  # _growth, relieved or _grew: ops take ``_before_careful``
+        self._careful = False  # _growth, relieved or _grew: ops make room first (``_make_room``)
         self._grew = False  # an op made more than planned (``_outgrown``)
         self._on_demand = False  # skip the plan's prefetches: inputs come back when an op needs them
         # bytes an op makes at the plan's sizes -> the most bytes made / those, in careful mode
         self._made_ratio: dict[int, float] = {}
+        self._most_growth = 0.0  # the largest of those ratios
         self._keys = (*program.keys, None)  # op ``num_ops`` is no op of the plan
         self._sid_get = self.table.sid_of.get
         self._slow = True  # every op takes ``_run_op`` (see ``_settle``)
@@ -221,12 +222,17 @@ class ReplayExecutor(ExecutorBase):
                 self._act(p, 2 * i)
             if m.pending_free or flags & AFTER_DEATH:
                 m.reap()
+            if self._careful:  # room first, for its outputs and for inputs coming back
+                self._make_room(i, p.inputs(i) or ())
             if flags & HAS_MOVED:
                 self._bring_moved(p.in_moved(i), p.writes(i) if flags & HAS_WRITES else None)
         elif m.pending_free or flags & AFTER_DEATH:
             m.reap()
         if self._careful:  # a step larger than its plan, or evicting beyond it
-            self._before_careful(i, func, args, kwargs)
+            if not flags & SCHEDULED:
+                self._make_room(i, p.inputs(i) or ())
+            if self.relieved:
+                self._bring_any(func, tensor_inputs(args, kwargs), args, kwargs)
         timer = self.timer
         if timer is None:
             out = func(*args, **kwargs)
@@ -300,8 +306,7 @@ class ReplayExecutor(ExecutorBase):
                 nbytes = table.nbytes
                 made = sum(nbytes[sid] for sid in p.bind_sid[p.bind_start[i]:p.bind_start[i + 1]])
                 if self._careful:
-                    ratios = self._made_ratio
-                    ratios[p.made[i]] = max(made / p.made[i], ratios.get(p.made[i], 0.0))
+                    self._note_made(p.made[i], made)
                 elif made > p.made[i]:
                     self._outgrown(i, made)
         if flags & SCHEDULED:
@@ -316,8 +321,16 @@ class ReplayExecutor(ExecutorBase):
         size with another length): from here on every op makes room before it runs."""
         planned = self.program.made[i]
         if planned:  # (an empty storage at the plan's sizes says nothing of growth)
-            self._made_ratio[planned] = max(made / planned, self._made_ratio.get(planned, 0.0))
+            self._note_made(planned, made)
         self._off_plan()
+
+    def _note_made(self, planned: int, made: int) -> None:
+        ratio = made / planned
+        ratios = self._made_ratio
+        if ratio > ratios.get(planned, 0.0):
+            ratios[planned] = ratio
+        if ratio > self._most_growth:
+            self._most_growth = ratio
 
     def _note_resident(self, i: int) -> bool:
         """Update the step's peak; whether it holds more than its limit."""
@@ -336,11 +349,6 @@ class ReplayExecutor(ExecutorBase):
             self._grew = self._careful = True
             self._settle()
 
-    def _before_careful(self, i: int, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self._make_room(i, self.program.inputs(i) or ())
-        if self.relieved:
-            self._bring_any(func, tensor_inputs(args, kwargs), args, kwargs)
-
     def _make_room(self, i: int, inputs: Any) -> None:
         """Before op ``i`` of a step larger than its plan (or relieved): room for what it is
         about to make and for its inputs that must come back, keeping the inputs."""
@@ -351,9 +359,10 @@ class ReplayExecutor(ExecutorBase):
             # An op that makes as many bytes at the plan's sizes as one already run (the same
             # shape, another layer's or the backward's) grows at most as that one did
             # (attention scores with the square of the length); else as the first activation
-            # did, or as planned once relieved (the plan under-counted something).
-            room = int(planned * (self._made_ratio.get(planned) or self._growth or 1.0))
-        if self.relieved and m.evicted:  # inputs evicted beyond the plan come back below
+            # did, or as the most any op of the step grew (a first activation that does not
+            # grow, FSDP2's, says nothing of a larger batch), or as planned.
+            room = int(planned * (self._made_ratio.get(planned) or max(self._growth, self._most_growth, 1.0)))
+        if m.evicted:  # inputs off the device come back below
             entries = m.entries
             room += sum(e.nbytes for sid in inputs if (e := entries.get(sid)) is not None and not e.resident)
         if room and self.table.live_bytes - m.away_bytes + room > self._limit:
@@ -548,6 +557,9 @@ class ReplayExecutor(ExecutorBase):
             elif code == H2D:
                 if self._on_demand:  # much larger than the plan: its prefetches would overshoot
                     continue
+                if self._careful and self.table.live_bytes - m.away_bytes + entry.nbytes > self._limit:
+                    i = j >> 1  # room first: at other sizes the plan's prefetch may not fit
+                    self._relieve(i, {sids[k], *(self.program.inputs(i) or ())}, entry.nbytes)
                 m.copy_h2d(entry)
                 self._evictable_again((entry,))
                 paged_in = True
