@@ -120,6 +120,10 @@ def _grown_steps(out: str) -> None:
     assert "first at 256" in out and "budget/peak" in out
 
 
+def _variable_shapes_models(out: str) -> None:
+    assert "gpt2-padded: 2 steps, 1 warmup(s), not bitwise 0" in out
+
+
 def _help(out: str) -> None:
     assert "usage: hyperpar" in out
 
@@ -170,6 +174,10 @@ KNOWN: dict[str, Run | Skip] = {
         ("--layers", "40", "--out", "{tmp}/tiny_ops.json"), _tiny_ops),
     ".venv/bin/python benchmarks/grown_steps.py --out benchmarks/results/grown_steps.json": Run(
         ("--fractions", "0.4", "--out", "{tmp}/grown_steps.json"), _grown_steps),
+    (".venv/bin/python benchmarks/variable_shapes_models.py "
+     "--out benchmarks/results/variable_shapes_models.json"): Run(
+        ("--models", "gpt2-padded", "--steps", "2", "--out", "{tmp}/variable_shapes_models.json"),
+        _variable_shapes_models, "hf"),
     ".venv/bin/python benchmarks/gpu/run.py": Skip(
         "tests/benchmarks/test_gpu_script.py runs it as written at --device cpu --size tiny"),
     ".venv/bin/python -m pytest -q tests/reliability": Skip("a part of this test suite"),
