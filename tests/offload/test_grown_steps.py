@@ -5,6 +5,8 @@ the floor of its own sizes, the one a fresh session's warmup of that step report
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -19,28 +21,32 @@ def _weights() -> list[torch.Tensor]:
     return [(torch.randn(D, D, generator=g) / 8).requires_grad_() for _ in range(8)]
 
 
-def _run(session: OffloadSession | None, length: int, ws: list[torch.Tensor], batch: int = 2
-         ) -> tuple[torch.Tensor, ...]:
+def _step(session: OffloadSession | None, x: torch.Tensor, ws: list[torch.Tensor],
+          loss_of: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """One training step of ``loss_of(x)``, in ``session`` if given: the loss and every grad."""
     for w in ws:
         w.grad = None
-    x = torch.randn(batch, length, D, generator=torch.Generator().manual_seed(length))
+    if session is None:
+        loss = loss_of(x)
+        loss.backward()
+    else:
+        with session:
+            loss = loss_of(x)
+            loss.backward()
+    return (loss.detach(), *(w.grad.clone() for w in ws))  # type: ignore[union-attr]
 
-    def body() -> torch.Tensor:
-        h = x
+
+def _run(session: OffloadSession | None, length: int, ws: list[torch.Tensor], batch: int = 2
+         ) -> tuple[torch.Tensor, ...]:
+    def attention_like(h: torch.Tensor) -> torch.Tensor:
         for k in range(0, len(ws), 2):
             q = h @ ws[k]
             scores = (q @ q.transpose(1, 2)) / D  # [2, L, L]: the square of the length
             h = torch.relu((scores.softmax(-1) @ q) @ ws[k + 1]) + h
-        loss = h.square().mean()
-        loss.backward()
-        return loss.detach()
+        return h.square().mean()
 
-    if session is None:
-        loss = body()
-    else:
-        with session:
-            loss = body()
-    return (loss, *(w.grad.clone() for w in ws))  # type: ignore[union-attr]
+    x = torch.randn(batch, length, D, generator=torch.Generator().manual_seed(length))
+    return _step(session, x, ws, attention_like)
 
 
 def _session(budget: int) -> OffloadSession:
@@ -102,24 +108,14 @@ def test_a_storage_empty_at_the_plans_size_may_fill_at_another() -> None:
     torch.set_num_threads(1)
     ws = _weights()
 
+    def loss_of(x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(x @ ws[0])
+        tail = (h[:, 96:] @ ws[1]).sum()  # nothing at length 96
+        return (h @ ws[2]).square().mean() + tail
+
     def run(session: OffloadSession | None, length: int) -> tuple[torch.Tensor, ...]:
-        for w in ws:
-            w.grad = None
         x = torch.randn(2, length, D, generator=torch.Generator().manual_seed(length))
-
-        def body() -> torch.Tensor:
-            h = torch.relu(x @ ws[0])
-            tail = (h[:, 96:] @ ws[1]).sum()  # nothing at length 96
-            loss = (h @ ws[2]).square().mean() + tail
-            loss.backward()
-            return loss.detach()
-
-        if session is None:
-            loss = body()
-        else:
-            with session:
-                loss = body()
-        return (loss, *(w.grad.clone() for w in ws[:3]))  # type: ignore[union-attr]
+        return _step(session, x, ws[:3], loss_of)
 
     probe = _session(1 << 40)
     run(probe, 128)

@@ -561,7 +561,8 @@ class ReplayExecutor(ExecutorBase):
                     i = j >> 1  # room first: at other sizes the plan's prefetch may not fit
                     self._relieve(i, {sids[k], *(self.program.inputs(i) or ())}, entry.nbytes)
                 m.copy_h2d(entry)
-                self._evictable_again((entry,))
+                if self.relieved:
+                    self._evictable_again((entry,))
                 paged_in = True
             elif code == RELEASE_FINAL:
                 m.release_device(entry, final=True)

@@ -161,14 +161,14 @@ class PackedTrace:
     def recorded(cls, structure: TraceStructure, duration_ms: array, size_sid: array, size_bytes: array,
                  retained_sids: frozenset[int], pinned_sids: frozenset[int], death_sid: array,
                  death_op: array, memory_limit_bytes: int, d2h_bandwidth_gbps: float,
-                 h2d_bandwidth_gbps: float, tail_sids: frozenset[int] = frozenset()) -> PackedTrace:
+                 h2d_bandwidth_gbps: float) -> PackedTrace:
         """A trace recorded as columns (warmup): no object form exists until ``unpack``."""
         self = cls.__new__(cls)
         self.structure, self.duration_ms = structure, duration_ms
         self.size_sid, self.size_bytes = size_sid, size_bytes
         self.retained_sids, self.pinned_sids = retained_sids, pinned_sids
         self.death_sid, self.death_op = death_sid, death_op
-        self.tail_sids = tail_sids
+        self.tail_sids: frozenset[int] = frozenset()  # a recording marks none (planning does)
         self.memory_limit_bytes = memory_limit_bytes
         self.d2h_bandwidth_gbps, self.h2d_bandwidth_gbps = d2h_bandwidth_gbps, h2d_bandwidth_gbps
         self._unpacked = None

@@ -81,14 +81,8 @@ def _tails(trace: ActivationTrace, arr: TraceArrays) -> tuple[np.ndarray, np.nda
     if not trace.tail_sids or not len(arr.sids):
         empty = np.zeros(0, dtype=np.int64)
         return empty, empty, empty
-    tails = np.fromiter(trace.tail_sids, dtype=np.int64)
-    tails = tails[~np.isin(tails, np.fromiter(trace.retained_sids, dtype=np.int64))]
-    if len(arr.pinned_sids):
-        tails = tails[~np.isin(tails, arr.pinned_sids)]
-    d = np.searchsorted(arr.sids, tails)
-    ok = d < len(arr.sids)
-    ok[ok] = arr.sids[d[ok]] == tails[ok]
-    d = np.sort(d[ok])
+    tails = np.fromiter(trace.tail_sids - trace.retained_sids, dtype=np.int64)
+    d = np.flatnonzero(np.isin(arr.sids, tails) & ~np.isin(arr.sids, arr.pinned_sids))
     t_sid = arr.sids[d]
     copy = arr.first_op[d].copy()
     written = arr.access_write & np.isin(arr.access_sid, t_sid)

@@ -37,6 +37,12 @@ def kept_simulation(box: dict[int, tuple[ResidencySchedule, int, SimResult]],
     return entry[2]
 
 
+def say_deficit(schedule: ResidencySchedule) -> None:
+    """Warn that ``schedule`` runs over its budget (``deficit_bytes`` at ``deficit_op``)."""
+    logger.warning("%s plan exceeds the budget of %d bytes by %d bytes at op %s",
+                   schedule.planner, schedule.budget_bytes, schedule.deficit_bytes, schedule.deficit_op)
+
+
 def attach_prediction(
     trace: ActivationTrace, schedule: ResidencySchedule, arrays: TraceArrays | None = None,
     log: bool = True,
@@ -52,10 +58,7 @@ def attach_prediction(
         schedule.deficit_bytes = sim.peak_resident_bytes - budget
         schedule.deficit_op = sim.peak_op
         if log:
-            logger.warning(
-                "%s plan exceeds the budget of %d bytes by %d bytes at op %s",
-                schedule.planner, budget, schedule.deficit_bytes, schedule.deficit_op,
-            )
+            say_deficit(schedule)
     else:
         schedule.deficit_bytes = 0
         schedule.deficit_op = None

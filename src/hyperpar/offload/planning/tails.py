@@ -15,7 +15,6 @@ budget (``tails_taken``): some schedule can always take them off.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -52,11 +51,11 @@ def plan_with_tails(trace: ActivationTrace, arrays: TraceArrays, plan: PlanOnce
         schedule, sim = plan(trace, arrays)
     if sim.peak_resident_bytes <= budget or not tail.any():
         if sim.peak_resident_bytes > budget:
-            _say_deficit(schedule, budget)
+            prediction.say_deficit(schedule)
         return trace, schedule, sim
     hit = _alive_where(arrays, tail, np.asarray(sim.resident_bytes) > budget)
     if not hit.any():
-        _say_deficit(schedule, budget)
+        prediction.say_deficit(schedule)
         return trace, schedule, sim
     trace, arrays = _take(trace, arrays, hit)
     schedule, sim = plan(trace, arrays)
@@ -67,13 +66,6 @@ def _alive_where(arrays: TraceArrays, tail: np.ndarray, over: np.ndarray) -> np.
     """The tails alive past their last access at some op where ``over`` holds."""
     count = np.concatenate([[0], np.cumsum(over)])
     return tail & (count[arrays.end_op + 1] > count[arrays.last_op + 1])
-
-
-def _say_deficit(schedule: ResidencySchedule, budget: int) -> None:
-    """What the planner would have said of its plan (muted while tails might still help)."""
-    logging.getLogger(prediction.__name__).warning(
-        "%s plan exceeds the budget of %d bytes by %d bytes at op %s",
-        schedule.planner, budget, schedule.deficit_bytes, schedule.deficit_op)
 
 
 def tails_taken(trace: ActivationTrace, arrays: TraceArrays) -> tuple[ActivationTrace, TraceArrays]:
