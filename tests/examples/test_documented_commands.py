@@ -124,6 +124,10 @@ def _variable_shapes_models(out: str) -> None:
     assert "gpt2-padded: 2 steps, 1 warmup(s), not bitwise 0" in out
 
 
+def _warmup_budget(out: str) -> None:
+    assert re.search(r"over 1\.05x: \d+ of 4$", out, re.M), out
+
+
 def _help(out: str) -> None:
     assert "usage: hyperpar" in out
 
@@ -178,6 +182,8 @@ KNOWN: dict[str, Run | Skip] = {
      "--out benchmarks/results/variable_shapes_models.json"): Run(
         ("--models", "gpt2-padded", "--steps", "2", "--out", "{tmp}/variable_shapes_models.json"),
         _variable_shapes_models, "hf"),
+    ".venv/bin/python benchmarks/warmup_budget.py --out benchmarks/results/warmup_budget.json": Run(
+        ("--models", "gpt2", "--fractions", "0.4", "--out", "{tmp}/warmup_budget.json"), _warmup_budget, "hf"),
     ".venv/bin/python benchmarks/gpu/run.py": Skip(
         "tests/benchmarks/test_gpu_script.py runs it as written at --device cpu --size tiny"),
     ".venv/bin/python -m pytest -q tests/reliability": Skip("a part of this test suite"),

@@ -27,6 +27,7 @@ import torch
 
 from hyperpar.offload.capture.activation_table import ActivationTable
 from hyperpar.offload.capture.op_args import output_leaves, tensor_inputs, written_tensors
+from hyperpar.offload.capture.output_bytes import predicted_bytes
 from hyperpar.offload.ir import AccessKind, OpGuide, StorageAccess, TraceOp
 from hyperpar.offload.ir.guide import NO_STORAGE, NOT_ACTIVATION
 from hyperpar.offload.ir.report import StepReport
@@ -159,7 +160,8 @@ class ExecutorBase:
     def online_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self._gaps_ms.append((time.perf_counter() - self._last_exit) * 1e3)
         state = self.online_begin(func, op_name(func), tensor_inputs(args, kwargs),
-                                  written_tensors(func, args, kwargs), op_kind(func) == COLLECTIVE)
+                                  written_tensors(func, args, kwargs), op_kind(func) == COLLECTIVE,
+                                  predicted_bytes(func, args, kwargs, self.device))
         out = func(*args, **kwargs)
         self.online_end(state, output_leaves(out))
         self._last_exit = time.perf_counter()
@@ -198,7 +200,7 @@ class ExecutorBase:
         return kinds, in_ids, tuple(in_sids), pin
 
     def online_begin(self, key: Any, name: str, inputs: list[Tensor], written: list[Tensor],
-                     pin: bool) -> OpState:
+                     pin: bool, made: int | None = None) -> OpState:
         m = self.manager
         if m.pending_free:
             m.reap()
@@ -207,12 +209,15 @@ class ExecutorBase:
         if pin:
             self.pin_sids(kinds)
         in_bytes = sum(t.nbytes for t in inputs if t.layout is _STRIDED)
-        # Room for what the op is about to allocate: as much as it made per input byte before
-        # (a view op makes nothing; another op, at first, as much as it reads).
-        ratio = self._out_ratio.get(id(key))
-        if ratio is None:
-            ratio = 0.0 if getattr(key, "is_view", False) else 1.0
-        self.enforce_budget(kinds, target=self.budget_bytes - int(ratio * in_bytes))
+        # Room for what the op is about to allocate: ``made`` where its arguments say
+        # (``output_bytes``), else as much as it made per input byte before (a view op makes
+        # nothing; another op, at first, as much as it reads).
+        if made is None:
+            ratio = self._out_ratio.get(id(key))
+            if ratio is None:
+                ratio = 0.0 if getattr(key, "is_view", False) else 1.0
+            made = int(ratio * in_bytes)
+        self.enforce_budget(kinds, target=self.budget_bytes - made)
         return self._start(OpState(self.index, key, name, kinds, in_ids, in_sids, pin, in_bytes))
 
     def _start(self, state: OpState) -> OpState:

@@ -33,6 +33,7 @@ from hyperpar.offload.capture.executor_base import (
     op_name,
 )
 from hyperpar.offload.capture.op_args import mutates, nested_tensors, output_leaves
+from hyperpar.offload.capture.output_bytes import PREDICTORS, predict_or_none
 from hyperpar.offload.capture.recorded_packed import packed_recording, timed_durations
 from hyperpar.offload.ir import AccessKind, ActivationTrace
 from hyperpar.offload.ir.guide import NOT_ACTIVATION
@@ -57,7 +58,7 @@ class _Fused:
     """What the fused path needs to know of an op, found with one lookup by ``id(func)`` (an
     OpOverload hashes in Python, a call of its own at every dict lookup)."""
 
-    __slots__ = ("call", "func", "name", "ratio")
+    __slots__ = ("call", "func", "name", "predict", "ratio")
 
     def __init__(self, func: Any) -> None:
         self.func = func  # held: the id stays this op's
@@ -65,6 +66,7 @@ class _Fused:
                  and not nested_tensors(func))
         self.name = op_name(func) if fused else ""  # "": the op takes ``online_op``
         self.ratio = 0.0 if getattr(func, "is_view", False) else 1.0  # bytes made per byte read, at first
+        self.predict = PREDICTORS.get(func)  # exact bytes made, for ops whose arguments say
         # What OpOverload.__call__ calls (one Python frame less), where the class keeps that call.
         self.call = func._op if fused and type(func).__call__ is _OVERLOAD_CALL else func
 
@@ -145,10 +147,13 @@ class WarmupExecutor(ExecutorBase):
         reads = len(kinds)
         if reads and m.entries:
             self._bring_in(kinds)
-        ratio = self._out_ratio.get(fid)
-        if ratio is None:
-            ratio = op.ratio
-        target = self.budget_bytes - int(ratio * in_bytes)
+        made = None if op.predict is None else predict_or_none(op.predict, args, kwargs, self.device)
+        if made is None:
+            ratio = self._out_ratio.get(fid)
+            if ratio is None:
+                ratio = op.ratio
+            made = int(ratio * in_bytes)
+        target = self.budget_bytes - made
         if table.live_bytes - m.away_bytes > target:
             self.enforce_budget(kinds, target=target)
         self._gaps_ms.append((entered - self._last_exit) * 1e3)
