@@ -183,7 +183,8 @@ KNOWN: dict[str, Run | Skip] = {
         ("--models", "gpt2-padded", "--steps", "2", "--out", "{tmp}/variable_shapes_models.json"),
         _variable_shapes_models, "hf"),
     ".venv/bin/python benchmarks/warmup_budget.py --out benchmarks/results/warmup_budget.json": Run(
-        ("--models", "gpt2", "--fractions", "0.4", "--out", "{tmp}/warmup_budget.json"), _warmup_budget, "hf"),
+        ("--models", "gpt2", "--fractions", "0.4", "--out", "{tmp}/warmup_budget.json"), _warmup_budget,
+        "hf"),
     ".venv/bin/python benchmarks/gpu/run.py": Skip(
         "tests/benchmarks/test_gpu_script.py runs it as written at --device cpu --size tiny"),
     ".venv/bin/python -m pytest -q tests/reliability": Skip("a part of this test suite"),

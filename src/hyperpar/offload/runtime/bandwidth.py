@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from hyperpar.offload.runtime.copy_engine import CopyEngine, make_copy_engine
+from hyperpar.offload.runtime.normal_tensors import made_outside_inference_mode
 
 CPU_SIZES = (256 << 10, 1 << 20, 4 << 20)
 ACCELERATOR_SIZES = (1 << 20, 16 << 20, 64 << 20)
@@ -53,6 +54,7 @@ def _gbps(nbytes: int, seconds: list[float]) -> float:
     return nbytes / statistics.median(seconds) / 1e9
 
 
+@made_outside_inference_mode
 def probe_link(device: torch.device, engine: CopyEngine | None = None) -> LinkBandwidth:
     own = engine is None
     if engine is None:

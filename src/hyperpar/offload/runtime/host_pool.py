@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from hyperpar.offload.runtime.normal_tensors import made_outside_inference_mode
+
 logger = logging.getLogger(__name__)
 
 ALIGN_BYTES = 512
@@ -89,7 +91,8 @@ class HostPool:
             raise ValueError(f"window_steps must be a positive int, got {window_steps!r}")
         self.cap_bytes = cap_bytes
         self.pin_memory = pin_memory
-        self._allocate_arena = arena_allocator or (_pinned_arena if pin_memory else _plain_arena)
+        self._allocate_arena = made_outside_inference_mode(
+            arena_allocator or (_pinned_arena if pin_memory else _plain_arena))
         self.in_use_bytes = 0
         self.cap_hits = 0
         self.allocations = 0  # new host allocations (arenas), ever

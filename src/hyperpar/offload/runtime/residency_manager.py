@@ -30,6 +30,7 @@ import torch
 from hyperpar.offload.runtime.checksum import checksum
 from hyperpar.offload.runtime.copy_engine import CopyEngine
 from hyperpar.offload.runtime.host_pool import HostPool
+from hyperpar.offload.runtime.normal_tensors import made_outside_inference_mode
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class RestoreError(RuntimeError):
         self.__cause__ = lost[0][1]
 
 
+@made_outside_inference_mode
 def byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
     """A fresh uint8 tensor over the whole storage (its own version counter)."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
