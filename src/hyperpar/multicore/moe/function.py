@@ -437,12 +437,21 @@ def _forward(call: MoeCall, hidden: Tensor, topk_ids: Tensor, topk_weights: Tens
     return output, _joined(saved_rows, like, hidden_size), _joined(saved_pre, like, 2 * down.shape[1])
 
 
+def _no_autocast(device: torch.device) -> torch.autocast:
+    """The layer computes in its inputs' and weights' dtypes (and ``gemm_dtype``'s) whatever
+    autocast region it is called in: a custom op's body would otherwise run its GEMMs under the
+    caller's autocast and return bf16 for fp32 inputs, against the buffers and the saved
+    tensors' dtypes it planned. ``gemm_dtype=torch.bfloat16`` is how to ask for bf16 GEMMs."""
+    return torch.autocast(device.type, enabled=False)
+
+
 @torch.library.custom_op("hyperpar::moe_experts", mutates_args=(), **_OP_TAGS)
 def _moe_experts_op(hidden: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up: Tensor, down: Tensor,
                     tokens_per_expert: Tensor | None, call: int) -> tuple[Tensor, Tensor, Tensor]:
     """(output [T, H], expert input rows [R, H], pre-activations [R, 2I]); the last two are what
     backward reads, in the wire dtype (with the route weights and the output's gradient)."""
-    return _forward(_CALLS[call], hidden, topk_ids, topk_weights, gate_up, down, tokens_per_expert)
+    with _no_autocast(hidden.device):
+        return _forward(_CALLS[call], hidden, topk_ids, topk_weights, gate_up, down, tokens_per_expert)
 
 
 @_moe_experts_op.register_fake
@@ -517,7 +526,8 @@ def _moe_experts_backward_op(grad_output: Tensor, topk_weights: Tensor, gate_up:
                              call: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients of (hidden, topk_weights, gate_up, down); [0] where not wanted."""
     call_state = _CALLS[call]
-    return _backward(call_state, grad_output, topk_weights, gate_up, down, saved_rows, saved_pre)
+    with _no_autocast(grad_output.device):
+        return _backward(call_state, grad_output, topk_weights, gate_up, down, saved_rows, saved_pre)
 
 
 @_moe_experts_backward_op.register_fake
