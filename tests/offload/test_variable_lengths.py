@@ -39,6 +39,14 @@ def _step(model: torch.nn.Module, ids: torch.Tensor, session: OffloadSession | N
     return loss.detach()
 
 
+def assert_same_step(expected: torch.Tensor, got: torch.Tensor, plain: torch.nn.Module,
+                     off: torch.nn.Module, where: str) -> None:
+    """The loss and every parameter's gradient bitwise equal."""
+    assert torch.equal(expected, got), where
+    for (name, a), b in zip(plain.named_parameters(), off.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad), f"{where}: grad of {name}"
+
+
 def test_random_lengths_replay_within_budget_and_bitwise() -> None:
     torch.set_num_threads(1)
     plain, off = _llama(), _llama()
@@ -58,9 +66,7 @@ def test_random_lengths_replay_within_budget_and_bitwise() -> None:
         report = session.last_report
         assert report is not None
         where = f"step {step}, length {length}: {report}"
-        assert torch.equal(loss_plain, loss_off), where
-        for (name, a), b in zip(plain.named_parameters(), off.parameters(), strict=True):
-            assert torch.equal(a.grad, b.grad), f"{where}: grad of {name}"
+        assert_same_step(loss_plain, loss_off, plain, off, where)
         warmups += report.phase == "warmup"
         assert report.diverged_at is None, where
         if report.min_feasible_budget_bytes is None or report.min_feasible_budget_bytes <= budget:
