@@ -34,6 +34,7 @@ def _calls(rng: random.Random) -> list[tuple[object, tuple, dict]]:
         (aten.zeros.default, ([m, n],), {"dtype": dtype}),
         (aten.ones.default, ([m, n, b],), {}),
         (aten.full.default, ([m], 2.0), {"dtype": dtype}),
+        (aten.full.default, ([m, n], rng.choice([3, True, 2.5, 1j])), {}),
         (aten.empty.memory_format, ([m, k],), {}),
         (aten.randn.default, ([b, n],), {}),
         (aten.rand.default, ([b, n],), {"dtype": torch.float64}),

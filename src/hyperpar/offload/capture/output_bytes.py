@@ -61,13 +61,28 @@ def _matmul(first: int, second: int) -> Predictor:
     return predict
 
 
-def _factory(size_arg: int, like: bool) -> Predictor:
-    """``zeros(size)`` and the like (``like``: ``x.new_zeros(size)``, the dtype and device ``x``'s)."""
+def _fill_dtype(value: Any) -> torch.dtype:
+    """``torch.full``'s dtype without one given: the fill value's kind decides."""
+    if isinstance(value, bool):
+        return torch.bool
+    if isinstance(value, int):
+        return torch.int64
+    if isinstance(value, complex):
+        return torch.complex64 if torch.get_default_dtype() != torch.float64 else torch.complex128
+    return torch.get_default_dtype()
+
+
+def _factory(size_arg: int, like: bool, filled: bool = False) -> Predictor:
+    """``zeros(size)`` and the like (``like``: ``x.new_zeros(size)``, the dtype and device ``x``'s;
+    ``filled``: ``full(size, value)``, whose dtype follows the value)."""
     def predict(args: tuple[Any, ...], kwargs: dict[str, Any], here: torch.device) -> int | None:
         device = kwargs.get("device")
         if not _on(args[0].device if like and device is None else device, here):
             return 0
-        default = args[0].dtype if like else torch.get_default_dtype()
+        if like:
+            default = args[0].dtype
+        else:
+            default = _fill_dtype(args[size_arg + 1]) if filled else torch.get_default_dtype()
         return _numel(args[size_arg]) * _itemsize(kwargs.get("dtype"), default)
     return predict
 
@@ -82,7 +97,7 @@ def _predictors() -> dict[Any, Predictor]:
         aten.baddbmm.default: _matmul(1, 2),
         aten.zeros.default: _factory(0, like=False),
         aten.ones.default: _factory(0, like=False),
-        aten.full.default: _factory(0, like=False),
+        aten.full.default: _factory(0, like=False, filled=True),
         aten.empty.memory_format: _factory(0, like=False),
         aten.randn.default: _factory(0, like=False),
         aten.rand.default: _factory(0, like=False),
