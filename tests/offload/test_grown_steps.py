@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hyperpar.offload import OffloadConfig, OffloadSession
+from tests.step_context import step_context
 
 MIB = 1 << 20
 D = 64
@@ -26,13 +27,9 @@ def _step(session: OffloadSession | None, x: torch.Tensor, ws: list[torch.Tensor
     """One training step of ``loss_of(x)``, in ``session`` if given: the loss and every grad."""
     for w in ws:
         w.grad = None
-    if session is None:
+    with step_context(session):
         loss = loss_of(x)
         loss.backward()
-    else:
-        with session:
-            loss = loss_of(x)
-            loss.backward()
     return (loss.detach(), *(w.grad.clone() for w in ws))  # type: ignore[union-attr]
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hyperpar.offload import OffloadConfig, OffloadSession
+from tests.step_context import step_context
 
 transformers = pytest.importorskip("transformers")
 
@@ -29,13 +30,9 @@ def _ids(length: int, seed: int) -> torch.Tensor:
 
 
 def _step(model: torch.nn.Module, ids: torch.Tensor, session: OffloadSession | None) -> torch.Tensor:
-    if session is None:
+    with step_context(session):
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-    else:
-        with session:
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
     return loss.detach()
 
 

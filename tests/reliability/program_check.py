@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from hyperpar.offload import OffloadConfig, OffloadSession
 from tests.reliability.bitwise import same_bits
 from tests.reliability.random_programs import VARYING_KINDS, B, D, Instr, RandomProgram
+from tests.step_context import step_context
 
 MIB = 1 << 20
 STEPS = 3  # warmup and two replays
@@ -24,13 +25,9 @@ def _step(model: RandomProgram, x: torch.Tensor, seed: int,
     torch.manual_seed(seed)  # dropout: the same stream in both runs
     model.seen.clear()
     try:
-        if session is None:
+        with step_context(session):
             loss = model(x)
             loss.backward()
-        else:
-            with session:
-                loss = model(x)
-                loss.backward()
     except RuntimeError as exc:
         return None, exc
     return loss.detach(), None

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hyperpar.offload import OffloadConfig, OffloadSession
+from tests.step_context import step_context
 
 MIB = 1 << 20
 
@@ -34,13 +35,9 @@ def _train(x: torch.Tensor, ws: list[torch.Tensor],
            session: OffloadSession | None) -> tuple[torch.Tensor, ...]:
     for w in ws:
         w.grad = None
-    if session is None:
+    with step_context(session):
         loss = _forward(x, ws)
         loss.backward()
-    else:
-        with session:
-            loss = _forward(x, ws)
-            loss.backward()
     return (loss.detach(), *(w.grad for w in ws))
 
 

@@ -12,6 +12,7 @@ import torch
 
 from hyperpar.offload import OffloadConfig, OffloadSession
 from hyperpar.offload.capture.output_bytes import PREDICTORS, predicted_bytes
+from tests.step_context import step_context
 
 MIB = 1 << 20
 aten = torch.ops.aten
@@ -89,11 +90,8 @@ def _run(session: OffloadSession | None, x: torch.Tensor, ws: list[torch.Tensor]
          head: torch.Tensor) -> tuple[torch.Tensor, ...]:
     for w in [*ws, head]:
         w.grad = None
-    if session is None:
+    with step_context(session):
         loss = _step(x, ws, head)
-    else:
-        with session:
-            loss = _step(x, ws, head)
     return (loss, *(w.grad for w in [*ws, head]))
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hyperpar.offload import OffloadConfig, OffloadSession
+from tests.step_context import step_context
 
 MIB = 1 << 20
 
@@ -33,11 +34,8 @@ def _step(x: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor:
 def _run(session: OffloadSession | None, x: torch.Tensor, ws: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     for w in ws:
         w.grad = None
-    if session is None:
+    with step_context(session):
         loss = _step(x, ws)
-    else:
-        with session:
-            loss = _step(x, ws)
     return (loss, *(w.grad.clone() for w in ws))  # type: ignore[union-attr]
 
 

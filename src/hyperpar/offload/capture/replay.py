@@ -466,16 +466,7 @@ class ReplayExecutor(ExecutorBase):
         storage with a host copy makes that copy stale."""
         m = self.manager
         if m.evicted or m.inflight:
-            away = []
-            for t in ins:
-                try:
-                    entry = m.lookup(t.untyped_storage())
-                except (RuntimeError, NotImplementedError):
-                    continue
-                if entry is not None and not entry.resident:
-                    away.append(entry)
-            m.page_in_inputs(ins)
-            self._evictable_again(away)
+            self._evictable_again(m.page_in_inputs(ins))
         written = written_tensors(func, args, kwargs)
         for t in written:
             try:

@@ -333,9 +333,11 @@ class ResidencyManager:
         entry.host_current = False
         entry.checksum = None
 
-    def page_in_inputs(self, tensors: list[torch.Tensor]) -> None:
-        """Every evicted storage among ``tensors`` comes back now; in-flight ones are waited on."""
+    def page_in_inputs(self, tensors: list[torch.Tensor]) -> list[StorageEntry]:
+        """Every evicted storage among ``tensors`` comes back now; in-flight ones are waited on.
+        Returns the entries that came back."""
         evicted, inflight = self.evicted, self.inflight
+        back: list[StorageEntry] = []
         for t in tensors:
             try:
                 storage = t.untyped_storage()
@@ -345,10 +347,12 @@ class ResidencyManager:
             entry = evicted.get(key)
             if entry is not None and entry.ref() is storage:
                 self.copy_h2d(entry, demand=True)
+                back.append(entry)
                 continue
             entry = inflight.get(key)
             if entry is not None and entry.ref() is storage:
                 self.wait_h2d(entry)
+        return back
 
     def reap(self) -> None:
         """Free the device bytes of releases whose D2H has finished (compute thread only)."""
