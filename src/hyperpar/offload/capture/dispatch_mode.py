@@ -16,6 +16,10 @@ Besides aten ops the mode takes two things other dispatch modes refuse:
   compile their own operator internally (with the ``eager`` backend, every op still
   dispatched); those compiles are allowed.
 
+- **Tensor subclasses** with their own ``__torch_dispatch__`` (DTensor, nested jagged
+  tensors): the mode returns ``NotImplemented`` for an op on one, the subclass runs it, and
+  the ops it calls on the plain tensors it holds come back to the mode (docs/works_with.md).
+
 How Dynamo asks: when it is about to compile a frame it calls ``ignore_compile_internals``
 on every dispatch mode on the thread's stack; a compiled frame that hits Dynamo's cache
 runs without asking, so while a step runs a guard-complete hook turns such a cache hit
@@ -103,6 +107,23 @@ COMPILE_ERROR = (
 )
 
 
+_DISABLED_DISPATCH = torch._C._disabled_torch_dispatch_impl
+_dispatching: dict[type, bool] = {}  # tensor type -> defines its own __torch_dispatch__
+
+
+def _any_dispatching_subclass(types: Any) -> bool:
+    """Whether a tensor type of an op's arguments handles ops itself (``torch.Tensor`` and
+    ``nn.Parameter`` appear in ``types`` too, with torch's disabled handler)."""
+    for kind in types:
+        own = _dispatching.get(kind)
+        if own is None:
+            handler = getattr(kind, "__torch_dispatch__", _DISABLED_DISPATCH)
+            own = _dispatching[kind] = handler is not _DISABLED_DISPATCH
+        if own:
+            return True
+    return False
+
+
 class OffloadDispatchMode(TorchDispatchMode):
     supports_higher_order_operators = True
 
@@ -126,6 +147,13 @@ class OffloadDispatchMode(TorchDispatchMode):
             # Torch is tracing (a higher-order op's autograd builds its graphs on fake tensors
             # in eager): those ops, and any copy we would issue now, are not real.
             return func(*args, **(kwargs or {}))
+        if types and func.__class__ is OpOverload and _any_dispatching_subclass(types):
+            # A tensor subclass with its own dispatch (a nested jagged tensor, a DTensor, a
+            # quantized weight) takes the op first and calls ops on the plain tensors it holds,
+            # which come back here: the session sees, counts and pages in every plain tensor
+            # read. Run as one op, its inner reads would be invisible, and a plain tensor the
+            # step also reads directly (``nt.values()``) could be evicted under it.
+            return NotImplemented
         ex = self.executor
         if func.__class__ is not OpOverload and isinstance(func, HigherOrderOperator):
             if not (ex.passthrough or ex.opaque_depth or ex.closed):
