@@ -12,6 +12,10 @@ import torch
 # for its extra collectives on CPU, so the default is one chunk.
 DEFAULT_OVERLAP_CHUNKS = 1
 GEMM_DTYPES = (torch.bfloat16, torch.float16)  # what gemm_dtype may name (None: the input's dtype)
+# compared across EP ranks, in this order (MoeExpertsConfig.signature)
+SIGNATURE_FIELDS = ("local_num_tokens", "hidden_size", "intermediate_size", "num_experts", "top_k",
+                    "expert_capacity_factor", "swiglu_limit", "ep_size", "create_parameters",
+                    "overlap_chunks", "gemm_dtype")
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -91,8 +95,20 @@ class MoeExpertsConfig:
         return (f"expert_capacity_factor={self.expert_capacity_factor:g} x local_num_tokens="
                 f"{self.local_num_tokens} x top_k={self.top_k}")
 
+    def signature_fields(self) -> dict[str, object]:
+        """Every configuration value by name, rank-independent and picklable."""
+        return {name: getattr(self, name) for name in SIGNATURE_FIELDS} | {"gemm_dtype": str(self.gemm_dtype)}
+
     def signature(self) -> tuple[object, ...]:
         """Every configuration value, rank-independent: compared across ranks at first binding."""
-        return ("MoeExperts", self.local_num_tokens, self.hidden_size, self.intermediate_size,
-                self.num_experts, self.top_k, self.expert_capacity_factor, self.swiglu_limit,
-                self.ep_size, self.create_parameters, self.overlap_chunks, str(self.gemm_dtype))
+        return ("MoeExperts", *self.signature_fields().values())
+
+
+def describe_differences(fields_by_rank: dict[int, dict[str, object]]) -> str:
+    """Which configuration fields differ, and each rank's value of them: what a user needs to
+    find the rank that was built differently."""
+    first = next(iter(fields_by_rank.values()))
+    differing = [name for name in first if any(f.get(name) != first[name] for f in fields_by_rank.values())]
+    per_rank = "; ".join(f"EP rank {rank}: " + ", ".join(f"{name}={fields.get(name)!r}" for name in differing)
+                         for rank, fields in fields_by_rank.items())
+    return f"fields {', '.join(differing)} differ: {per_rank}"

@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
 
-from hyperpar.multicore.collective import exchange, group_ranks, is_distributed
+from hyperpar.multicore.collective import CollectiveValueError, exchange, group_ranks, is_distributed
 from hyperpar.multicore.module import MulticoreModule
 
-from .config import DEFAULT_OVERLAP_CHUNKS, MoeExpertsConfig
+from .config import DEFAULT_OVERLAP_CHUNKS, MoeExpertsConfig, describe_differences
 from .function import ExpertMath, MoeCall, run_moe_experts
 from .routing import GradNeeds, RoutingSetup, build_route_plan, is_integer_tensor
 from .workspace import MoeWorkspace, WorkspaceSpec
@@ -152,11 +152,13 @@ class MoeExperts(MulticoreModule):
     # ----- forward ----------------------------------------------------------------------
     def _agree_on_config(self) -> None:
         """Once per module: a differently configured rank would otherwise hang a later collective."""
-        mine = self.config.signature()
-        everyone = exchange(mine, self.ep_group)
+        mine = self.config.signature_fields()
+        everyone = exchange(mine, self.ep_group, stage="bind")
         if any(other != mine for other in everyone):
-            lines = "; ".join(f"EP rank {r}: {sig}" for r, sig in enumerate(everyone))
-            raise ValueError(f"MoeExperts configuration differs across EP ranks: {lines}")
+            # the collective kind (also a ValueError), the same on every rank: docs/multicore.md
+            detail = describe_differences(dict(enumerate(everyone)))
+            raise CollectiveValueError("bind", {},
+                                       f"MoeExperts configuration differs across EP ranks: {detail}")
         self._config_agreed = True
 
     def _weights(self, expert_weights: Any, hidden: torch.Tensor | None,
