@@ -249,7 +249,7 @@ def test_seed_parity_on_three_ranks() -> None:
         assert "modules[0] already ran (bound as binding id 2)" in out["reshare_other"][2]
         assert out["all_closed"] == (True, [], 1), rank  # one runtime release, after the last group
         assert out["release_state"] == (True, 1), rank
-        assert out["release_retry"] == (2, 2), rank
+        assert out["release_retry"] == (2 if rank == 2 else 1, 2), rank  # rerun only where it failed
         assert out["in_step"] == (0, 1, 2)
     assert results[0]["pair"] is True and results[1]["pair"] is True
     assert results[2]["pair"][0] == "ValueError"

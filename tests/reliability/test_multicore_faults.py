@@ -33,7 +33,8 @@ def test_recoverable_faults_raise_everywhere_and_retries_succeed(world: int, bad
         assert out["create_retry"] == ([12.0, 12.0], 1) and out["create_retry_closed"], rank
         assert out["signature_retry"] == [18.0, 18.0], rank
         assert out["close_kept"] and out["close_retry"] == (True, True), rank
-        assert out["release_calls"] == (3, True, True), rank  # failed, retried by close(), again after r2
+        # failed, retried by close() where it failed only, again after r2
+        assert out["release_calls"] == (3 if rank == bad else 2, True, True), rank
         ids = out["order_retry"][2:]
         assert ids[1] == ids[0] + 1, rank
         assert out["in_step"] == list(range(world)), rank

@@ -20,6 +20,7 @@ import torch
 
 from hyperpar.multicore.collective import CollectiveError, Scope, outcome_of, raise_if_any_failed
 from hyperpar.multicore.diagnostics import manifest_difference, value_difference
+from hyperpar.multicore.release import Hook, ReleaseHooks
 from hyperpar.multicore.resources import MemberToken, ResourceGroup
 
 if TYPE_CHECKING:
@@ -64,6 +65,7 @@ class ResourceManager:
         self._release_callbacks: list[Callable[[], None]] = []
         self._runtime_users: dict[str, type[MulticoreModule]] = {}  # types bound since the last release
         self._failed_release: Scope | None = None  # where a failed runtime release is retried
+        self._unreleased = ReleaseHooks(())  # the failed release's hooks that raised on this rank
         self.runtime_releases = 0
 
     # ----- membership -------------------------------------------------------------------
@@ -258,7 +260,7 @@ class ResourceManager:
                 self._raise_if_busy(gathered, ranks)
                 self._close_agreed(here, "close")
                 if all(item[2] for item in gathered):
-                    self._release_runtime(scope)
+                    self._release_fresh(scope)
             if not by_key:
                 self.retry_failed_release()
 
@@ -279,7 +281,7 @@ class ResourceManager:
                 self._raise_if_busy(gathered, ranks)
                 self._close_agreed([group], "close")
                 if all(item[2][1] for item in gathered):
-                    self._release_runtime(scope)
+                    self._release_fresh(scope)
             self.retire(token)
 
     # ----- process-wide runtime -----------------------------------------------------------
@@ -289,32 +291,44 @@ class ResourceManager:
             if callback not in self._release_callbacks:
                 self._release_callbacks.append(callback)
 
-    def _run_release_hooks(self) -> None:
-        for name in sorted(self._runtime_users):
-            self._runtime_users[name]._release_execution_runtime()
-        for callback in list(self._release_callbacks):
-            callback()
+    def _release_hooks(self) -> ReleaseHooks:
+        """This release's hooks: a failed release's leftovers, else every one (types first)."""
+        if self._failed_release is not None:
+            return self._unreleased
+        hooks: list[Hook] = [(f"{name}._release_execution_runtime",
+                              self._runtime_users[name]._release_execution_runtime)
+                             for name in sorted(self._runtime_users)]
+        hooks += [(getattr(cb, "__qualname__", repr(cb)), cb) for cb in self._release_callbacks]
+        return ReleaseHooks(hooks)
 
     def _released(self) -> None:
         self._runtime_users.clear()
         self._failed_release = None
+        self._unreleased = ReleaseHooks(())
         self.runtime_releases += 1
 
-    def _release_runtime(self, scope: Scope) -> None:
-        """The last close on every rank of ``scope`` left nothing bound: release the runtime as an
-        agreed stage. A failure anywhere raises on every rank; a later close() retries it."""
+    def _release_runtime(self, scope: Scope, hooks: ReleaseHooks) -> None:
+        """Run ``hooks`` as an agreed stage over ``scope``. A failure anywhere raises on every rank
+        and keeps, on each rank, the hooks that raised there: the retry runs only those, while
+        every rank of the scope still takes part in its agreement."""
         try:
-            scope.agree(RUNTIME_RELEASE, self._run_release_hooks)
+            scope.agree(RUNTIME_RELEASE, hooks.run)
         except CollectiveError:
-            self._failed_release = scope
+            self._failed_release, self._unreleased = scope, hooks
             raise
         self._released()
 
+    def _release_fresh(self, scope: Scope) -> None:
+        """The last close on every rank of ``scope`` left nothing bound: release the runtime."""
+        self._failed_release = None  # a new release supersedes the old one's leftovers
+        self._release_runtime(scope, self._release_hooks())
+
     def retry_failed_release(self) -> None:
-        """Retry a runtime release that failed (collective over the ranks that saw it fail)."""
+        """Retry a runtime release that failed: on every rank that saw it fail, running only the
+        hooks that raised there (the agreed error told every rank, so all of them take part)."""
         with self._lock:
             if self._failed_release is not None and not self._bound:
-                self._release_runtime(self._failed_release)
+                self._release_runtime(self._failed_release, self._unreleased)
 
     # ----- local release (teardown) ---------------------------------------------------------
     def release_locally(self, groups: Iterable[ResourceGroup], reason: str,
@@ -337,9 +351,9 @@ class ResourceManager:
                     logger.exception("closing %s on this rank failed", group.describe())
                     continue
                 self._finish_close(group)
-            if self._runtime_users and not self._bound:
+            if (self._runtime_users or self._failed_release is not None) and not self._bound:
                 try:
-                    self._run_release_hooks()
+                    self._release_hooks().run()
                 except Exception:
                     logger.exception("the runtime release failed on this rank")
                 else:

@@ -93,7 +93,8 @@ class MulticoreModule(torch.nn.Module):
     def _release_execution_runtime(cls) -> None:
         """Release this type's process-wide native runtime. Runs once the last group of the
         process has closed, on every rank of that close, as an agreed stage: a failure raises
-        on all of them and a later ``close()`` retries, so it must be idempotent."""
+        on all of them and a later ``close()`` retries it only on the ranks where it raised (a
+        hook that succeeded is never run twice for one release)."""
 
     # ----- state ------------------------------------------------------------------------
     @property
