@@ -19,6 +19,7 @@ import torch.distributed as dist
 from transformers import MixtralConfig
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
+from hyperpar.multicore import closing
 from hyperpar.multicore.moe.hf import replace_hf_moe_experts
 
 TOKENS_PER_RANK = 24
@@ -52,17 +53,18 @@ def main() -> float:
 
         optimizer = torch.optim.SGD(block.parameters(), lr=0.05)
         losses = []
-        for _ in range(3):
-            loss = block(x).square().mean()
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(round(float(loss.detach()), 5))
+        with closing([experts]):  # close() after the loop; on an exception, released here alone
+            for _ in range(3):
+                loss = block(x).square().mean()
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(round(float(loss.detach()), 5))
+            del loss  # no graph through the layer may outlive it, or close() refuses
         if rank == 0:
             print(f"ep_size={world}: this rank holds experts {list(experts.local_expert_ids)}; "
                   f"output matches the original block (max diff {difference:.2e}); "
                   f"training losses {losses}")
-        experts.close()
         return difference
     finally:
         if own_group:

@@ -19,6 +19,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from hyperpar.multicore import closing
 from hyperpar.multicore.moe import MoeExperts, dense_moe_reference
 
 SIZES = {  # tokens per rank, hidden, intermediate, experts, top-k, layers
@@ -63,30 +64,31 @@ def main() -> int:
     gen = torch.Generator().manual_seed(rank)  # each rank its own tokens
 
     ok = True
-    for step in range(args.steps):
-        x = torch.randn(tokens, hidden, generator=gen).to(device)
-        for i, (router, layer) in enumerate(zip(routers, layers, strict=True)):
-            weights, ids = torch.softmax(router(x), dim=-1).topk(top_k, dim=-1)
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-            y = layer(x, ids, weights)
-            if step == 0 and i == 0:
-                reference = dense_moe_reference(x, ids, weights, *gather_experts(layer))
-                ok = torch.allclose(y, reference, rtol=1e-4, atol=1e-5)
-                print(f"rank {rank}: layer 0 matches the dense reference: {ok} "
-                      f"(max diff {(y - reference).abs().max().item():.2e})")
-            x = x + y
-        loss = x.pow(2).mean()
-        loss.backward()  # expert gradients flow back through the all-to-alls
-        for router in routers:  # routers are replicated: average their gradients
-            for p in router.parameters():
-                dist.all_reduce(p.grad)
-                p.grad /= world
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        print(f"rank {rank}: step {step} loss {loss.item():.6f}, workspace {layers[0].workspace_bytes} bytes")
-
-    for layer in layers:  # the same order on every rank, after the last backward
-        layer.close()
+    # closing(): close() in order on every rank when the loop ends; if it raises, a local release
+    # that never waits for peers (destroy_process_group releases nothing of ours)
+    with closing(layers):
+        for step in range(args.steps):
+            x = torch.randn(tokens, hidden, generator=gen).to(device)
+            for i, (router, layer) in enumerate(zip(routers, layers, strict=True)):
+                weights, ids = torch.softmax(router(x), dim=-1).topk(top_k, dim=-1)
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+                y = layer(x, ids, weights)
+                if step == 0 and i == 0:
+                    reference = dense_moe_reference(x, ids, weights, *gather_experts(layer))
+                    ok = torch.allclose(y, reference, rtol=1e-4, atol=1e-5)
+                    print(f"rank {rank}: layer 0 matches the dense reference: {ok} "
+                          f"(max diff {(y - reference).abs().max().item():.2e})")
+                x = x + y
+            loss = x.pow(2).mean()
+            loss.backward()  # expert gradients flow back through the all-to-alls
+            for router in routers:  # routers are replicated: average their gradients
+                for p in router.parameters():
+                    dist.all_reduce(p.grad)
+                    p.grad /= world
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            print(f"rank {rank}: step {step} loss {loss.item():.6f}, "
+                  f"workspace {layers[0].workspace_bytes} bytes")
     dist.destroy_process_group()
     return 0 if ok else 1
 

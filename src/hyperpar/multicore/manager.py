@@ -32,6 +32,7 @@ BINDING_MISMATCH = "binding order or specifications differ across ranks"
 CLOSE_MISMATCH = "close order or groups differ across ranks"
 RUNTIME_RELEASE = "multicore runtime release"
 NEVER_CLOSED = "resource group never closed before interpreter exit"
+OPEN_AFTER_DESTROY = "process group destroyed with resource groups open"
 
 
 def _is_idle(group: ResourceGroup) -> bool:
@@ -368,8 +369,19 @@ class ResourceManager:
             self.retire(token)
 
     def close_all_at_exit(self) -> None:
-        """Interpreter exit: release locally whatever is left, and drop every process group."""
-        self.release_locally(self.bound_groups(), NEVER_CLOSED, even_if_busy=True)
+        """Interpreter exit: release locally whatever is left, and drop every process group.
+        torch tells no one about ``destroy_process_group`` (and hyperpar does not patch it), so
+        this is where groups left open past their process group's end are first seen: one
+        warning names them all, then each is released here without communicating."""
+        left = self.bound_groups()
+        orphaned = [g for g in left if g.scope is not None and g.scope.root is not None and g.scope.local()]
+        if orphaned:
+            logger.warning("%s: %d resource group(s) still open after their process group was destroyed "
+                           "(destroy_process_group releases nothing of hyperpar's; close() the modules or "
+                           "call close_groups() before it): %s", OPEN_AFTER_DESTROY, len(orphaned),
+                           "; ".join(f"process group {g.scope.key}: {g.describe()}" for g in orphaned
+                                     if g.scope is not None))
+        self.release_locally(left, NEVER_CLOSED, even_if_busy=True)
         self._failed_release = None
 
 
