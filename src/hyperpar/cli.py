@@ -18,7 +18,7 @@ DESCRIPTION = ("hyperpar: planned activation offload and expert-parallel MoE for
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("hyperpar.commands.demo", "train a small GPT without/with offload and with MoE"),
-    "bench": ("hyperpar.commands.bench", "run a benchmark: offload | planner | moe"),
+    "bench": ("hyperpar.commands.bench", "run a benchmark, or render results tables"),
     "plan": ("hyperpar.commands.plan", "plan a saved trace and print/plot the result"),
 }
 

@@ -1,9 +1,10 @@
-"""``hyperpar bench offload|planner|moe``: each benchmark lives in ``hyperpar.bench.<name>``.
+"""``hyperpar bench offload|planner|moe|table``: each benchmark lives in ``hyperpar.bench.<name>``.
 
 A benchmark module exposes ``add_arguments(parser)`` and ``run(args) -> int`` like a
 command, with an ``--out`` option for its JSON. Whatever default it gives, the JSON goes
 to ``./hyperpar-bench/<name>.json`` unless ``--out`` says otherwise: the committed
-``benchmarks/results/*.json`` change only when a run is asked to write there.
+``benchmarks/results/*.json`` change only when a run is asked to write there. ``table``
+is not a benchmark: it renders those files' headline figures into README and docs.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import argparse
 import importlib
 from pathlib import Path
+
+from hyperpar.commands import bench_table
 
 SCRATCH = Path("hyperpar-bench")
 
@@ -34,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             p.set_defaults(_bench_missing=True)
             continue
         _scratch_out(p, name)
+    table = sub.add_parser("table", help="render README/docs results tables from benchmarks/results")
+    table.set_defaults(_bench_table=True)
+    bench_table.add_arguments(table)
 
 
 def _scratch_out(parser: argparse.ArgumentParser, name: str) -> None:
@@ -47,6 +53,8 @@ def _scratch_out(parser: argparse.ArgumentParser, name: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "_bench_table", False):
+        return bench_table.run(args)
     if getattr(args, "_bench_missing", False):
         raise SystemExit(f"hyperpar bench {args.benchmark}: not available in this build")
     return int(importlib.import_module(args._bench_module).run(args) or 0)

@@ -1,0 +1,223 @@
+"""The headline figures of each result file, derived from the file's own data.
+
+One function per result (keyed by the file's stem): a benchmark calls it when it writes,
+and the conversion of files written before the headline format called it once, so a
+figure is computed in one place whichever way the file was made.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+from hyperpar.bench.result_file import Figure, figure
+
+MIB = 2 ** 20
+
+
+def _med(d: dict[str, float]) -> tuple[float, tuple[float, float]]:
+    return d["median"], (d["min"], d["max"])
+
+
+def moe(doc: dict[str, Any]) -> list[Figure]:
+    """MoeExperts vs torchtitan per shape and dtype, memory, grouped GEMM, stacked layers."""
+    page = "docs/moe.md#performance-hyperpar-bench-moe"
+    figs: list[Figure] = []
+    for shape, label in (("fine_grained", "fine-grained (32 experts, top-4)"),
+                         ("coarse", "coarse (8 experts, top-2)")):
+        cells = doc["summary"][shape]
+        if "bfloat16" in cells:
+            bf = cells["bfloat16"]
+            v, s = _med(bf["moe_over_torchtitan"])
+            figs.append(figure(f"{shape}_bf16_over_torchtitan", v, "x",
+                               f"MoE fwd+bwd {label}, bf16, 2 gloo ranks: CPU time / torchtitan",
+                               page, spread=s, goal=f"<= {bf['goal_moe_over_torchtitan']}"))
+            mem = bf["memory"]
+            figs.append(figure(f"{shape}_bf16_memory_mib", mem["MoeExperts"]["total_bytes"] / MIB, "MiB",
+                               f"MoE {label}, bf16: memory (rise + kept workspace)", page,
+                               goal=f"<= torchtitan's {mem['torchtitan']['total_bytes'] / MIB:.1f} MiB"))
+        if "float32" in cells:
+            fp = cells["float32"]
+            if "bf16_gemm_opt_in_over_torchtitan" in fp:
+                v, s = _med(fp["bf16_gemm_opt_in_over_torchtitan"])
+                figs.append(figure(f"{shape}_fp32_optin_over_torchtitan", v, "x",
+                                   f"MoE {label}, fp32 with opt-in bf16 GEMMs: CPU time / torchtitan",
+                                   page, spread=s, goal=f"<= {fp['goal_moe_over_torchtitan']}"))
+            v, s = _med(fp["moe_over_torchtitan"])
+            figs.append(figure(f"{shape}_fp32_strict_over_torchtitan", v, "x",
+                               f"MoE {label}, strict fp32 GEMMs (torchtitan: bf16): CPU time / torchtitan",
+                               page, spread=s))
+    for dtype, cell in doc.get("grouped_mm_vs_loop", {}).items():
+        figs.append(figure(f"grouped_over_loop_{dtype}", cell["grouped_over_loop"], "x",
+                           f"grouped expert GEMM / per-expert loop, {dtype}", page))
+    for shape, st in doc.get("stack", {}).items():
+        figs.append(figure(f"{shape}_{st['layers']}_layers_over_torchtitan", st["moe_over_torchtitan"], "x",
+                           f"{st['layers']} serial {st['dtype']} MoE layers sharing one workspace ({shape}): "
+                           f"CPU time / torchtitan", page))
+    return figs
+
+
+def offload(doc: dict[str, Any]) -> list[Figure]:
+    """Offload step time over plain at the peak and at half of it, and the interception floor."""
+    page = "docs/architecture.md"
+    return [
+        figure("replay_at_peak_over_plain", doc["replay_at_peak"]["ratio_to_plain"], "x",
+               "GPT small batch 16, budget = peak: session step / plain step (wall)", page),
+        figure("replay_at_50_over_plain", doc["replay_at_50"]["ratio_to_plain"], "x",
+               "GPT small batch 16, budget = 50 % of peak: session step / plain step (wall)", page),
+        figure("passthrough_over_plain", doc["passthrough"]["ratio_to_plain"], "x",
+               "same model under a do-nothing TorchDispatchMode / plain (the interception floor)", page),
+    ]
+
+
+def planner(doc: dict[str, Any]) -> list[Figure]:
+    """TimedPlanner's exposed wait against GreedyPlanner and the lower bound, and planning time."""
+    s, page = doc["summary"], "docs/planner.md"
+    return [
+        figure("median_wait_timed_over_greedy", s["median_wait_timed_over_greedy"], "x",
+               "exposed transfer wait, timed / greedy planner, median over 4 models x 3 budgets", page,
+               goal=f"<= {s['goal_median_wait_timed_over_greedy']}"),
+        figure("worst_timed_wait_over_lower_bound", s["worst_timed_wait_over_lower_bound"], "x",
+               "timed planner's wait / lower bound, worst case", page,
+               goal=f"<= {s['goal_timed_wait_over_lower_bound']}"),
+        figure("synthetic_plan_cpu_s_timed", s["synthetic_plan_cpu_seconds"]["timed"], "s",
+               "timed planner: CPU time to plan a synthetic 200,000-op trace", page,
+               goal=f"< {s['goal_synthetic_plan_seconds']} s"),
+    ]
+
+
+def variable_lengths(doc: dict[str, Any]) -> list[Figure]:
+    """Warmups, budget, host memory and CPU cost of 300 random-length steps."""
+    page, last = "docs/variable_shapes.md#measured", doc["at_step"][str(doc["steps"])]
+    return [
+        figure("warmups", doc["warmups"], "warmups",
+               f"HF Llama, {doc['steps']} steps of random length 32-256: warmups (traced steps)", page,
+               goal="1"),
+        figure("max_peak_over_budget", doc["max_peak_over_budget"], "x",
+               "same run: worst step peak / budget", page, goal="<= 1.05"),
+        figure("held_mib_last_step", last["held_mib"], "MiB",
+               f"same run: host memory held by the pool at step {doc['steps']}", page),
+        figure("random_over_fixed", doc["variable_over_fixed_per_token_in_session"], "x",
+               "same run: CPU per token in the session, random lengths / fixed length", page),
+        figure("session_over_plain", doc["offload_over_plain"]["variable"], "x",
+               "same run: CPU in the session / without one (hidden 64: tiny ops)", page),
+    ]
+
+
+def variable_shapes_models(doc: dict[str, Any]) -> list[Figure]:
+    """Five HF models with shapes changing every step: warmups, exactness, divergence, budget."""
+    page, models = "docs/variable_shapes.md#other-models-batch-sizes-and-training-set-ups", doc["models"]
+    diverged = sum(1 for m in models.values() for st in m["steps"]
+                   if st["phase"] == "replay" and st.get("diverged_at") is not None)
+    return [
+        figure("warmups_max", max(m["warmups"] for m in models.values()), "warmups",
+               f"{len(models)} HF models, 16 steps of random batch and length: most warmups of one model",
+               page, goal="1"),
+        figure("not_bitwise", sum(m["not_bitwise"] for m in models.values()), "steps",
+               "same runs: steps whose loss or gradients differ from plain", page, goal="0"),
+        figure("diverged_replays", diverged, "steps",
+               "same runs: replayed steps that diverged from their plan (then ran correct, in budget)", page),
+        figure("worst_peak_over_budget", max(m["worst_peak_over_budget_when_feasible"]
+                                             for m in models.values()), "x",
+               "same runs: worst step peak / a feasible budget", page, goal="<= 1.05"),
+    ]
+
+
+def compile_in_session(doc: dict[str, Any]) -> list[Figure]:
+    """torch.compile'd model in a session vs compiled without one."""
+    page, v = "docs/works_with.md", doc["variants"]
+    return [
+        figure("session_peak_over_compiled", v["session_peak"]["cpu_ratio_to_compiled"], "x",
+               "torch.compile GPT small in a session at budget = peak: CPU / compiled alone", page),
+        figure("session_50_over_compiled", v["session_50"]["cpu_ratio_to_compiled"], "x",
+               "same at 50 % of the peak", page),
+    ]
+
+
+def _worst_seconds(part: dict[str, Any]) -> float:
+    return max(r["seconds"] for sc in part["scenarios"].values() for r in sc.values()
+               if isinstance(r, dict) and r.get("seconds") is not None)  # None: the rank that died
+
+
+def multicore_hang_paths(doc: dict[str, Any]) -> list[Figure]:
+    """Time to error on every rank when one rank fails, now and before issue 14."""
+    page = "docs/multicore.md"
+    figs = [figure("worst_seconds_to_error", _worst_seconds(doc["after"]), "s",
+                   "a mistake or failure on one rank: slowest time to error over ranks and paths "
+                   f"(process-group timeout {doc['after']['pg_timeout_s']} s)", page)]
+    if "before" in doc:
+        figs.append(figure("worst_seconds_to_error_before", _worst_seconds(doc["before"]), "s",
+                           "same before issue 14 (a4f59db)", page))
+    return figs
+
+
+def fuzz_failures(doc: dict[str, Any]) -> list[Figure]:
+    """Random programs bitwise equal to plain, now and before issue 11."""
+    page, after = "docs/reliability.md", doc["after"]
+    figs = [figure("bitwise_cases", after["ok"], f"of {after['cases']}",
+                   "random programs (CI's fixed cases) bitwise equal to plain", page, better="higher",
+                   goal=str(after["cases"]))]
+    before = doc.get("before_a4f59db")
+    if before:
+        figs.append(figure("bitwise_cases_before", before["ok"], f"of {before['cases']}",
+                           "same before issue 11 (a4f59db)", page, better="higher"))
+    return figs
+
+
+def replay_instructions(doc: dict[str, Any]) -> list[Figure]:
+    """Replay's CPU instructions per op over a do-nothing dispatch mode (valgrind)."""
+    page, s = "docs/architecture.md", doc["stop20"]
+    per_op = s["replay_over_passthrough_instructions_per_op_837_op_step"]
+    return [
+        figure("replay_instructions_per_op", per_op["lean (a54701a)"], "instructions",
+               "replay's cost per op over a do-nothing TorchDispatchMode, tiny GPT 837 ops (valgrind)", page),
+        figure("passthrough_instructions_per_op", s["passthrough_instructions_per_op_837_op_step"],
+               "instructions", "the do-nothing TorchDispatchMode itself, per op", page),
+    ]
+
+
+def replay_overhead_cpu(doc: dict[str, Any]) -> list[Figure]:
+    """Replay's CPU time per op over a do-nothing dispatch mode."""
+    runs = [r["per_op_us"] for r in doc["stop20"]["runs"]["final"]]
+    return [figure("replay_us_per_op", statistics.median(runs), "µs",
+                   f"replay's CPU time per op over a do-nothing mode, median of {len(runs)} runs",
+                   "docs/architecture.md", spread=(min(runs), max(runs)))]
+
+
+def tiny_ops(doc: dict[str, Any]) -> list[Figure]:
+    """A step of 301,002 tiny ops: warmup, planning and replay against plain."""
+    page = "docs/architecture.md"
+    return [
+        figure("warmup_over_plain", doc["warmup_over_plain"], "x",
+               f"a step of {doc['ops']:,} tiny ops: warmup CPU / plain", page, goal="<= 3"),
+        figure("planning_cpu_s", doc["planning_cpu_s"], "s", "same: planning CPU time", page),
+        figure("replay_over_plain", doc["replay_over_plain"], "x",
+               f"same: replay at {doc['budget_fraction']:.0%} of the peak, CPU / plain", page),
+        figure("kept_plan_bytes_per_access", doc["kept_plan_bytes_per_access"], "bytes",
+               "same: memory of a kept plan per storage access", page),
+    ]
+
+
+def warmup_budget(doc: dict[str, Any]) -> list[Figure]:
+    """Warmup steps kept under budget across models, budgets and autocast."""
+    cells, page = doc["cells"], "docs/architecture.md"
+    return [figure("warmup_cells_over_budget", sum(1 for c in cells if c["over"]), f"of {len(cells)}",
+                   "warmup steps over their budget (models x budgets x autocast)", page, goal="0"),
+            figure("warmup_worst_peak_over_budget", max(c["peak_over_budget"] for c in cells), "x",
+                   "same: worst warmup peak / budget", page)]
+
+
+HEADLINES: dict[str, Callable[[dict[str, Any]], list[Figure]]] = {
+    "moe": moe, "offload": offload, "planner": planner, "variable_lengths": variable_lengths,
+    "variable_shapes_models": variable_shapes_models, "compile": compile_in_session,
+    "multicore_hang_paths": multicore_hang_paths, "fuzz_failures": fuzz_failures,
+    "replay_instructions": replay_instructions, "replay_overhead_cpu": replay_overhead_cpu,
+    "tiny_ops": tiny_ops, "warmup_budget": warmup_budget,
+}
+
+
+def headline(stem: str, doc: dict[str, Any]) -> list[Figure]:
+    """The headline of result file ``<stem>.json``; none for comparison and profile files."""
+    fn = HEADLINES.get(stem)
+    return fn(doc) if fn is not None else []
