@@ -22,7 +22,7 @@ from tests.offload.planning.random_traces import random_trace
 PLANNERS = ("greedy", "timed")
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
 @given(st.randoms(use_true_random=False))
 def test_every_planner_is_safe_and_honest(rng: random.Random) -> None:
     trace = random_trace(rng)
@@ -46,7 +46,7 @@ def test_every_planner_is_safe_and_honest(rng: random.Random) -> None:
             assert sim.exposed_wait_ms >= lower_bound - 1e-9
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
 @given(st.randoms(use_true_random=False))
 def test_instant_copies_meet_every_feasible_budget(rng: random.Random) -> None:
     trace = random_trace(rng, timed=False)

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from hyperpar.offload.runtime.copy_engine import chaos_seed
+
 PLANNER_CHOICES = ("greedy", "timed")
 DIVERGENCE_CHOICES = ("retrace", "raise")
 COPY_ENGINE_CHOICES = ("auto", "sync", "thread", "stream")
@@ -43,7 +45,9 @@ class OffloadConfig:
     device: str | torch.device | None = None
     on_divergence: str = "retrace"
     verify: bool = False  # checksum every host copy at D2H, check it when the bytes come back
-    copy_engine: Any = "auto"  # "auto" | "sync" | "thread" | "stream" | an engine object (tests)
+    # "auto" | "sync" | "thread" | "stream" | "chaos:SEED" (adversarial timing, rules checked:
+    # a debug option) | an engine object (tests)
+    copy_engine: Any = "auto"
     timeline: bool = False  # record replay op times for export_chrome_trace (costs ~2 us per op)
     # Budget as a fraction of the activation peak the first warmup measures (the trace's peak
     # without offload); that first step runs under max_resident_activation_mb. None: off.
@@ -79,9 +83,13 @@ class OffloadConfig:
         if not isinstance(self.verify, bool):
             raise TypeError(f"OffloadConfig.verify must be a bool, got {self.verify!r}")
         if isinstance(self.copy_engine, str):
-            if self.copy_engine not in COPY_ENGINE_CHOICES:
-                raise ValueError(f"OffloadConfig.copy_engine must be one of {COPY_ENGINE_CHOICES} or an "
-                                 f"engine object, got {self.copy_engine!r}")
+            try:
+                chaos = chaos_seed(self.copy_engine)
+            except ValueError as exc:
+                raise ValueError(f"OffloadConfig.copy_engine: {exc}") from None
+            if self.copy_engine not in COPY_ENGINE_CHOICES and chaos is None:
+                raise ValueError(f"OffloadConfig.copy_engine must be one of {COPY_ENGINE_CHOICES}, "
+                                 f"'chaos:SEED' or an engine object, got {self.copy_engine!r}")
         elif not callable(getattr(self.copy_engine, "copy_d2h", None)):
             raise TypeError(f"OffloadConfig.copy_engine must be an engine name or an object with "
                             f"copy_d2h/copy_h2d, got {self.copy_engine!r}")

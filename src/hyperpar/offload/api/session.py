@@ -479,7 +479,7 @@ class OffloadSession:
             predicted = sim.predicted_step_ms
         packed_schedule = PackedSchedule(schedule)
         program = ReplayProgram.build(trace, schedule, keys, sim.resident_bytes, structure, packed,
-                                      packed_schedule)
+                                      packed_schedule, floor.floor_bytes)
         return _Plan(signature, packed, packed_schedule, program, float(predicted),
                      sum(trace.storage_sizes.values()), floor)
 

@@ -149,10 +149,10 @@ class ExecutorBase:
 
     def resident_bytes(self) -> int:
         """Activation bytes of this step on the device now (measured the same in every phase)."""
-        return self.table.live_bytes - self.manager.away_bytes
+        return self.table.live_bytes - self.manager.away_bytes + self.manager.pending_bytes
 
     def note_peak(self, op: int) -> None:
-        resident = self.table.live_bytes - self.manager.away_bytes
+        resident = self.table.live_bytes - self.manager.away_bytes + self.manager.pending_bytes
         if resident > self.peak_bytes:
             self.peak_bytes, self.peak_op = resident, op
 
@@ -380,10 +380,11 @@ class ExecutorBase:
 
     def enforce_budget(self, protected: Any, target: int | None = None) -> None:
         """Evict the oldest resident activations until ``target`` (default: the budget) holds,
-        or nothing is left to evict; ``protected`` sids stay."""
+        or nothing is left to evict; ``protected`` sids stay. Releases count as done when
+        issued; if their copies leave the device over ``target``, wait for the oldest."""
         m, table, heap = self.manager, self.table, self._heap
         limit = self.budget_bytes if target is None else target
-        if table.live_bytes - m.away_bytes <= limit:
+        if table.live_bytes - m.away_bytes + m.pending_bytes <= limit:
             return
         skipped = []
         entries, pinned = m.entries, table.pinned
@@ -410,6 +411,9 @@ class ExecutorBase:
                 entry.evictable = False  # host pool at its cap, or a non-resizable storage
         for item in skipped:
             heapq.heappush(heap, item)
+        over = table.live_bytes - m.away_bytes + m.pending_bytes - limit
+        if over > 0 and m.pending_bytes:  # releases whose copies still read their bytes: wait
+            m.free_pending_until(over)
 
     def pin_sids(self, sids: Any) -> None:
         """These storages stay on the device for the rest of the step (paged in first)."""

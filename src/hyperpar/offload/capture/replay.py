@@ -72,8 +72,16 @@ SLACK_BYTES = 64 << 10
 ON_DEMAND_GROWTH = 1.25
 
 
-def _limit(budget: int, planned_peak: int) -> int:
-    top = max(budget, planned_peak)
+def _top(budget: int, program: ReplayProgram) -> int:
+    """What replay holds to: the budget where it can be met at the plan's sizes (whatever
+    the timed plan's peak: copies slower than it assumed are waited for, not paid in
+    memory), else the plan's own peak."""
+    if program.floor_bytes and program.floor_bytes <= budget:
+        return budget
+    return max(budget, program.planned_peak)
+
+
+def _limit(top: int) -> int:
     return top + max(SLACK_BYTES, top // 50)
 
 
@@ -123,7 +131,8 @@ class ReplayExecutor(ExecutorBase):
         self._raise = on_divergence == "raise"
         self._opaque_marks: list[int] = []
         self._replay_regions: list[_Region] = []
-        self._limit = _limit(budget_bytes, program.planned_peak)
+        self._top = self._limit = 0
+        self._hold_to(_top(budget_bytes, program))
         self.relieved = False  # evicted beyond the plan: every op pages in and marks writes
         self.first_size = -1  # bytes of the step's first activation (picks the size's plan)
         self._growth = 0.0  # when > 1: this step's sizes over the plan's; room is made before ops
@@ -168,7 +177,7 @@ class ReplayExecutor(ExecutorBase):
         self.index = i + 1
         m = self.manager
         if m.pending_free:
-            m.reap()
+            self._reap(i)
         out = p.calls[i](*args, **kwargs)
         if type(out) is not Tensor or out.dtype is not p.out_dtype[i] or out.dim() != p.out_ndim[i]:
             return self._outputs(i, flags, func, args, kwargs, out)
@@ -186,7 +195,7 @@ class ReplayExecutor(ExecutorBase):
                 m.bind(sid, st, i)
             if table.nbytes[sid] > p.made[i]:  # larger than planned: later ops make room first
                 self._outgrown(i, table.nbytes[sid])
-            resident = table.live_bytes - m.away_bytes  # ``_note_resident``, inline
+            resident = table.live_bytes - m.away_bytes + m.pending_bytes  # ``_note_resident``, inline
             if resident > self.peak_bytes:
                 self.peak_bytes, self.peak_op = resident, i
                 if resident > self._limit:
@@ -221,13 +230,13 @@ class ReplayExecutor(ExecutorBase):
             if flags & HAS_PRE:
                 self._act(p, 2 * i)
             if m.pending_free or flags & AFTER_DEATH:
-                m.reap()
+                self._reap(i)
             if self._careful:  # room first, for its outputs and for inputs coming back
                 self._make_room(i, p.inputs(i) or ())
             if flags & HAS_MOVED:
                 self._bring_moved(p.in_moved(i), p.writes(i) if flags & HAS_WRITES else None)
         elif m.pending_free or flags & AFTER_DEATH:
-            m.reap()
+            self._reap(i)
         if self._careful:  # a step larger than its plan, or evicting beyond it
             if not flags & SCHEDULED:
                 self._make_room(i, p.inputs(i) or ())
@@ -241,6 +250,21 @@ class ReplayExecutor(ExecutorBase):
             out = func(*args, **kwargs)
             self.op_marks.append((p.names[i], begin, timer.mark()))
         return self._outputs(i, flags, func, args, kwargs, out)
+
+    def _hold_to(self, top: int) -> None:
+        """The bytes this step holds to (``_top``), and the limit above which it evicts beyond
+        its plan (that plus the slack)."""
+        self._top, self._limit = top, _limit(top)
+
+    def _reap(self, i: int) -> None:
+        """Free the device bytes finished copies let go of; where releases still in flight
+        leave no room for op ``i``'s outputs within the budget, wait for the oldest of them."""
+        m = self.manager
+        m.reap()
+        if m.pending_bytes:
+            over = self.resident_bytes() + self.program.made[i] - self._top
+            if over > 0:
+                m.free_pending_until(over)
 
     def _positional_inputs_match(self, p: ReplayProgram, i: int, args: tuple[Any, ...]) -> bool:
         """Whether each positional tensor argument is the storage the plan expects: one lookup
@@ -334,7 +358,7 @@ class ReplayExecutor(ExecutorBase):
 
     def _note_resident(self, i: int) -> bool:
         """Update the step's peak; whether it holds more than its limit."""
-        resident = self.table.live_bytes - self.manager.away_bytes
+        resident = self.table.live_bytes - self.manager.away_bytes + self.manager.pending_bytes
         if resident > self.peak_bytes:
             self.peak_bytes, self.peak_op = resident, i
             if not self._careful and resident > self.program.planned_resident[i] + SLACK_BYTES:
@@ -365,7 +389,7 @@ class ReplayExecutor(ExecutorBase):
         if m.evicted:  # inputs off the device come back below
             entries = m.entries
             room += sum(e.nbytes for sid in inputs if (e := entries.get(sid)) is not None and not e.resident)
-        if room and self.table.live_bytes - m.away_bytes + room > self._limit:
+        if room and self.resident_bytes() + room > self._limit:
             self._relieve(i, set(inputs), room)
 
     def _inputs_match(self, ins: list[Tensor], expected: Sequence[int]) -> bool:
@@ -503,11 +527,11 @@ class ReplayExecutor(ExecutorBase):
             self._settle()
             logger.info("replay holds %d bytes after op %d, over its limit of %d: evicting beyond "
                         "the plan for the rest of the step",
-                        self.table.live_bytes - self.manager.away_bytes, i, self._limit)
+                        self.resident_bytes(), i, self._limit)
             with internal(self):
                 self.start_online()
         with internal(self):
-            top = max(self.budget_bytes, self.program.planned_peak)
+            top = self._top
             self.enforce_budget(protected, target=top - room)
 
     def describe_op(self) -> str:
@@ -548,7 +572,7 @@ class ReplayExecutor(ExecutorBase):
             elif code == H2D:
                 if self._on_demand:  # much larger than the plan: its prefetches would overshoot
                     continue
-                if self._careful and self.table.live_bytes - m.away_bytes + entry.nbytes > self._limit:
+                if self._careful and self.resident_bytes() + entry.nbytes > self._limit:
                     i = j >> 1  # room first: at other sizes the plan's prefetch may not fit
                     self._relieve(i, {sids[k], *(self.program.inputs(i) or ())}, entry.nbytes)
                 m.copy_h2d(entry)
@@ -763,7 +787,7 @@ class ReplayExecutor(ExecutorBase):
         self.program = alt
         self._n = alt.num_ops
         self._keys = (*alt.keys, None)
-        self._limit = _limit(self.budget_bytes, alt.planned_peak)
+        self._hold_to(_top(self.budget_bytes, alt))
         self._note_growth()
         if self.relieved:
             self.start_online()
@@ -773,7 +797,7 @@ class ReplayExecutor(ExecutorBase):
         if self.first_size >= 0 and self.first_size != planned:
             # The plan's own peak over the budget (where the budget cannot be met at its sizes)
             # says nothing at other sizes: only the budget is a limit here.
-            self._limit = _limit(self.budget_bytes, 0)
+            self._hold_to(self.budget_bytes)
         ratio = self.first_size / planned if self.first_size > 0 and planned else 0.0
         self._growth = ratio if ratio > 1.0 else 0.0
         self._on_demand = self._growth > ON_DEMAND_GROWTH

@@ -107,6 +107,9 @@ class ReplayProgram:
     moved: frozenset[int]
     bucket: int  # size_bucket of the first activation's size this program was planned for
     packed: PackedTrace  # a diverged replay takes its ops before the divergence from here
+    # the budget floor at the planned sizes (instant copies): when the budget is above it,
+    # replay holds the budget itself, whatever peak copy timing gave the timed plan
+    floor_bytes: int = 0
 
     @property
     def num_ops(self) -> int:
@@ -139,7 +142,7 @@ class ReplayProgram:
     def build(cls, trace: ActivationTrace, schedule: ResidencySchedule, keys: list[Any],
               planned_resident: list[int] | None = None,
               structure: ReplayProgram | None = None, packed: PackedTrace | None = None,
-              packed_schedule: PackedSchedule | None = None) -> ReplayProgram:
+              packed_schedule: PackedSchedule | None = None, floor_bytes: int = 0) -> ReplayProgram:
         """``structure``: a program of the same structure whose structure columns to share;
         ``packed``, ``packed_schedule``: the trace and schedule packed (packed here when not given)."""
         n = trace.num_ops
@@ -208,6 +211,7 @@ class ReplayProgram:
             write_start=_offsets(per_op_written), write_sid=_q(acc_sid[written]),
             planned_resident=array("q", planned_resident),
             planned_peak=max(planned_resident, default=0),
+            floor_bytes=floor_bytes,
             made=_q(made),
             moved=moved,
             bucket=size_bucket(packed.size_of(0)),

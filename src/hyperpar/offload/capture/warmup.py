@@ -154,7 +154,7 @@ class WarmupExecutor(ExecutorBase):
                 ratio = op.ratio
             made = int(ratio * in_bytes)
         target = self.budget_bytes - made
-        if table.live_bytes - m.away_bytes > target:
+        if table.live_bytes - m.away_bytes + m.pending_bytes > target:
             self.enforce_budget(kinds, target=target)
         self._gaps_ms.append((entered - self._last_exit) * 1e3)
         i = self.index
@@ -219,7 +219,7 @@ class WarmupExecutor(ExecutorBase):
                             _heappush(self._heap, (i, -nbytes, bound))
                         else:  # see ``bind_outputs``
                             table.pinned.add(bound)
-        resident = table.live_bytes - m.away_bytes
+        resident = table.live_bytes - m.away_bytes + m.pending_bytes
         if resident > self.peak_bytes:
             self.peak_bytes, self.peak_op = resident, i
         self.columns.add_one(op.name, op.func, kinds, reads, in_sids, meta, bound)

@@ -9,6 +9,7 @@ after (``after``): the host slab's previous copy, or the storage's copy the othe
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -42,6 +43,9 @@ class CopyEngine(Protocol):
 
     def wait(self, event: Any) -> None:
         """The compute side waits for ``event`` (on a stream: without blocking the host)."""
+
+    def finish(self, event: Any) -> None:
+        """The host waits until the copy is done (its memory may then be freed and reused)."""
 
     def may_free_now(self, src: torch.Tensor, event: Any) -> bool:
         """Whether the device memory a D2H reads may be freed now (else: once ``is_done``)."""
@@ -87,6 +91,9 @@ class SyncCopyEngine:
         if event is not None:
             event.synchronize()
 
+    def finish(self, event: Any) -> None:
+        self.wait(event)
+
     def may_free_now(self, src: torch.Tensor, event: Any) -> bool:
         return True
 
@@ -112,10 +119,32 @@ class SyncCopyEngine:
         return None
 
 
+ENGINE_ENV = "HYPERPAR_COPY_ENGINE"  # replaces "auto": e.g. chaos:7 runs every such session under it
+
+
+def chaos_seed(kind: str) -> int | None:
+    """The seed of ``chaos`` / ``chaos:SEED`` (``chaos`` alone: 0); None for any other kind."""
+    name, _, seed = kind.partition(":")
+    if name != "chaos":
+        return None
+    if not seed:
+        return 0
+    if not seed.isdigit():
+        raise ValueError(f"copy engine {kind!r}: the chaos seed must be an int >= 0, got {seed!r}")
+    return int(seed)
+
+
 def make_copy_engine(device: torch.device, kind: str = "auto") -> CopyEngine:
-    """``auto``: copy streams on an accelerator, worker threads on CPU; or ``sync``/``thread``/``stream``."""
+    """``auto``: copy streams on an accelerator, worker threads on CPU (or what the
+    ``HYPERPAR_COPY_ENGINE`` environment variable names); or ``sync``/``thread``/``stream``/
+    ``chaos[:SEED]``."""
     if kind == "auto":
-        kind = "thread" if device.type == "cpu" else "stream"
+        kind = os.environ.get(ENGINE_ENV) or ("thread" if device.type == "cpu" else "stream")
+    seed = chaos_seed(kind)
+    if seed is not None:
+        from hyperpar.offload.runtime.chaos_copy_engine import ChaosCopyEngine
+
+        return ChaosCopyEngine(seed)
     if kind == "sync":
         return SyncCopyEngine()
     if kind == "thread":
@@ -128,4 +157,5 @@ def make_copy_engine(device: torch.device, kind: str = "auto") -> CopyEngine:
         from hyperpar.offload.runtime.stream_copy_engine import StreamCopyEngine
 
         return StreamCopyEngine(device)
-    raise ValueError(f"copy engine must be 'auto', 'sync', 'thread' or 'stream', got {kind!r}")
+    raise ValueError(f"copy engine must be 'auto', 'sync', 'thread', 'stream' or 'chaos[:SEED]', "
+                     f"got {kind!r}")

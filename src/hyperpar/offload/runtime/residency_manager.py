@@ -11,9 +11,12 @@ every evicted input in before its op. Only weak references to device storages ar
 
 Copies are asynchronous when the engine is. Each entry keeps the event of its in-flight
 D2H and H2D; an op waits only on the events of storages it reads or writes. A release
-whose D2H is still reading the device bytes is accounted at once but, where the engine
-cannot guard the memory itself (the CPU thread engine), the ``resize_(0)`` waits until the
-copy is done (``reap``); paging such a storage back in before then just cancels the free.
+whose D2H is still reading the device bytes, where the engine cannot guard the memory
+itself (the CPU thread engine), leaves the ``resize_(0)`` until the copy is done
+(``reap``); paging such a storage back in before then just cancels the free. Until then
+its bytes still occupy the device: they count in ``pending_bytes``, which every measure of
+resident bytes adds, and ``free_pending_until`` waits for the oldest such copies when the
+budget needs their room. So what a step holds never depends on when a copy happens to end.
 """
 
 from __future__ import annotations
@@ -89,7 +92,8 @@ class ResidencyManager:
         self.by_key: dict[int, StorageEntry] = {}
         self.evicted: dict[int, StorageEntry] = {}  # key -> alive, non-resident entry
         self.inflight: dict[int, StorageEntry] = {}  # key -> resident entry whose H2D is not waited on
-        self.pending_free: list[StorageEntry] = []
+        self.pending_free: list[StorageEntry] = []  # in release order
+        self.pending_bytes = 0  # bytes of released storages whose device memory is not freed yet
         self.resident_bytes = 0  # bound, alive, resident bytes
         self.away_bytes = 0  # bound, alive, not resident (released, or its free pending)
         self.offloaded_bytes = 0  # released within their lifetime (not after the last access)
@@ -160,7 +164,9 @@ class ResidencyManager:
         if entry.offloaded:
             entry.offloaded = False
             self.offloaded_bytes -= entry.nbytes
-        entry.free_pending = False
+        if entry.free_pending:
+            entry.free_pending = False
+            self.pending_bytes -= entry.nbytes
         self._drop_host(entry)
 
     # --- actions --------------------------------------------------------------------
@@ -217,6 +223,7 @@ class ResidencyManager:
                 return False
             entry.free_pending = True
             self.pending_free.append(entry)
+            self.pending_bytes += entry.nbytes
         else:
             try:
                 storage.resize_(0)
@@ -244,6 +251,7 @@ class ResidencyManager:
             return
         if entry.free_pending:  # the device bytes never left: cancel the free
             entry.free_pending = False
+            self.pending_bytes -= entry.nbytes
             self._now_resident(entry)
             if demand:
                 self.demand_faults += 1
@@ -369,11 +377,26 @@ class ResidencyManager:
                 keep.append(entry)
                 continue
             entry.free_pending = False
+            self.pending_bytes -= entry.nbytes
             entry.d2h_event = None
             storage = entry.ref()
             if storage is not None:
                 storage.resize_(0)
         self.pending_free = keep
+
+    def free_pending_until(self, excess: int) -> None:
+        """Wait for the copies of the oldest releases still holding device memory until
+        ``excess`` bytes of it are free (or none is left): room the budget needs now, whenever
+        those copies would have ended on their own."""
+        self.reap()
+        for entry in list(self.pending_free):
+            if excess <= 0:
+                break
+            if entry.free_pending:
+                finish = getattr(self.engine, "finish", None) or self.engine.wait  # (an older engine object)
+                finish(entry.d2h_event)
+                excess -= entry.nbytes
+        self.reap()
 
     # --- end of step ----------------------------------------------------------------
     def restore_all(self) -> None:
@@ -446,6 +469,7 @@ class ResidencyManager:
             logger.warning("storage %d could not be allocated again: %s", entry.sid, exc)
         if entry.free_pending:
             entry.free_pending = False
+            self.pending_bytes -= entry.nbytes
         if self.inflight.get(entry.key) is entry:
             del self.inflight[entry.key]
         entry.h2d_event = None
@@ -486,6 +510,7 @@ class ResidencyManager:
         self.evicted.clear()
         self.inflight.clear()
         self.pending_free = []
+        self.pending_bytes = 0
         self.resident_bytes = 0
         self.away_bytes = 0
         self.offloaded_bytes = 0

@@ -143,6 +143,9 @@ class ThreadCopyEngine:
         if event.error is not None:
             event.synchronize()
 
+    def finish(self, event: Any) -> None:
+        self.wait(event)
+
     def may_free_now(self, src: torch.Tensor, event: Any) -> bool:
         return event is None or event._flag.is_set()
 
