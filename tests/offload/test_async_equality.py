@@ -39,7 +39,9 @@ def test_delayed_thread_engine_keeps_gradients_bitwise_equal(case: Case) -> None
     assert replay.predicted_step_ms is not None and replay.predicted_step_ms > 0
 
 
-def test_default_engine_on_cpu_is_the_thread_engine_and_stays_equal() -> None:
+def test_default_engine_on_cpu_is_the_thread_engine_and_stays_equal(monkeypatch: pytest.MonkeyPatch) -> None:
+    # "auto" is the thread engine unless HYPERPAR_COPY_ENGINE says otherwise (CI sets it)
+    monkeypatch.delenv("HYPERPAR_COPY_ENGINE", raising=False)
     from hyperpar.offload import OffloadConfig, OffloadSession
 
     assert OffloadSession(OffloadConfig(device="cpu")).copy_engine_name == "thread"

@@ -53,7 +53,10 @@ def test_chrome_trace_has_op_and_copy_tracks(tmp_path: Path) -> None:
     assert starts == sorted(starts)
 
 
-def test_report_fills_predicted_and_exposed_wait_and_warmup_times_ops() -> None:
+def test_report_fills_predicted_and_exposed_wait_and_warmup_times_ops(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the default engine, by name (CI may set HYPERPAR_COPY_ENGINE)
+    monkeypatch.delenv("HYPERPAR_COPY_ENGINE", raising=False)
     session = OffloadSession(OffloadConfig(max_resident_activation_mb=0, device="cpu"))
     _run(session, 2)
     report = session.last_report

@@ -18,6 +18,7 @@ from collections import deque
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from hyperpar.offload.runtime.copy_rules import CopyRules, Delays, PendingCopy
 
@@ -137,7 +138,9 @@ class FakeStreams:
             self.rules.violate(f"a copy on {stream.name} was enqueued without waiting for the compute "
                                f"stream first (its source may not be written yet)")
         stream.synced = False
-        c = PendingCopy(stream.name, stream.seq, dst, src, src.clone(), dict(stream.frontier))
+        with _disable_current_modes():
+            snapshot = src.clone()
+        c = PendingCopy(stream.name, stream.seq, dst, src, snapshot, dict(stream.frontier))
         stream.seq += 1
         self.copies += 1
         self.rules.issued(c)

@@ -118,6 +118,11 @@ def _before_node(graph: _RegionGraph, grad_outputs: tuple[Tensor | None, ...]) -
         graph.task, graph.done, graph.grads = task, 0, []
         graph.expected = sum(1 for n in graph.nodes if _will_execute(n)) or len(graph.nodes)
     if graph.token is None and not ex.opaque_depth:
+        held = [st for st in (r() for r in graph.reads) if st is not None]
+        if held:  # those alive only because a copy holds them die first: what the region
+            with internal(ex):  # reads must not depend on when copies end
+                ex.manager.finish_copies_of(held)
+            del held
         reads = [st for st in (r() for r in graph.reads) if st is not None]
         with internal(ex):
             graph.token = ex.begin_opaque(graph.name, reads + device_storages(ex, list(grad_outputs)))

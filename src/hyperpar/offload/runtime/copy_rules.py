@@ -28,6 +28,7 @@ import random
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,10 @@ class CopyRules:
 
     def issued(self, new: PendingCopy) -> None:
         """Check ``new`` against every pending copy, then poison its destination."""
+        with _disable_current_modes():  # the checks' own ops are no ops of the step
+            self._issued(new)
+
+    def _issued(self, new: PendingCopy) -> None:
         dst, src = _span(new.dst), _span(new.src)
         for old in self.pending:
             if ordered_before(old, new):
@@ -134,6 +139,10 @@ class CopyRules:
 
     def complete(self, c: PendingCopy) -> None:
         """The copy happens now: check what it reads and writes, then copy the bytes."""
+        with _disable_current_modes():
+            self._complete(c)
+
+    def _complete(self, c: PendingCopy) -> None:
         name = c.name()
         if not _whole(c.src):
             if id(c.src) not in c.held:

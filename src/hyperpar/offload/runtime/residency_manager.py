@@ -384,6 +384,21 @@ class ResidencyManager:
                 storage.resize_(0)
         self.pending_free = keep
 
+    def finish_copies_of(self, storages: list[torch.UntypedStorage]) -> None:
+        """Let every copy still using one of ``storages`` finish, and let go of it: a storage
+        whose Python references are gone lives on while a copy holds it (the CPU engines), so
+        whether it is alive at a given moment would otherwise depend on copy timing."""
+        if not self._async:
+            return
+        finish = getattr(self.engine, "finish", None) or self.engine.wait
+        for st in storages:
+            entry = self.lookup(st)
+            if entry is not None:
+                for event in (entry.d2h_event, entry.h2d_event):
+                    if event is not None and not self.engine.is_done(event):
+                        finish(event)
+        self.engine.poll()
+
     def free_pending_until(self, excess: int) -> None:
         """Wait for the copies of the oldest releases still holding device memory until
         ``excess`` bytes of it are free (or none is left): room the budget needs now, whenever
