@@ -20,7 +20,6 @@ benchmarks/results/compile.json`` updates the committed one).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -32,6 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hyperpar.bench.headlines import write
+from hyperpar.bench.result_file import provenance
 from hyperpar.models import GPT, GPTConfig, random_batch
 from hyperpar.offload import OffloadConfig, OffloadSession
 
@@ -107,6 +108,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("hyperpar-bench/compile.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    started = provenance()
     steps = args.steps if args.steps is not None else (2 if args.quick else 12)
     batch = args.batch if args.batch is not None else (2 if args.quick else 16)
     t0 = time.perf_counter()
@@ -124,8 +126,7 @@ def main() -> int:
         moved = f"{r['bytes_d2h'] / MIB:8.2f}" if "bytes_d2h" in r else f"{'-':>8s}"
         print(f"{name:14s} {r['wall_ms']:9.2f} {r['wall_ratio_to_compiled']:10.3f} {r['cpu_ms']:9.2f} "
               f"{r['cpu_ratio_to_compiled']:10.3f} {moved}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1))
+    write("compile", args.out, doc, started)
     return 0
 
 

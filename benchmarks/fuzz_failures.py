@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,16 +85,30 @@ def count(timeout: float) -> dict[str, object]:
             "crash": kinds.count("crash"), "outcomes": {str(k): v for k, v in sorted(outcomes.items())}}
 
 
+def _kept(path: Path) -> dict[str, Any]:
+    """The runs already in ``path`` (without the provenance and headline rewritten here)."""
+    if not path.exists():
+        return {}
+    return {k: v for k, v in json.loads(path.read_text()).items() if k not in ("provenance", "headline")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per child")
     parser.add_argument("--out", type=Path, default=Path("hyperpar-bench/fuzz_failures.json"))
+    parser.add_argument("--label", default="after",
+                        help="key of this run in --out; other keys there (before_<commit>) are kept")
     args = parser.parse_args()
     import hyperpar
+    from hyperpar.bench.headlines import write
+    from hyperpar.bench.result_file import provenance
+
+    started = provenance()
 
     result = {"hyperpar": str(Path(hyperpar.__file__).parent), **count(args.timeout)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    doc = _kept(args.out)
+    doc[args.label] = result
+    write("fuzz_failures", args.out, doc, started, indent=2)
     print(f"{result['hyperpar']}: {result['cases']} cases: {result['ok']} bitwise equal to plain, "
           f"{result['wrong_or_error']} wrong or failed, {result['crash']} crashed the interpreter")
 

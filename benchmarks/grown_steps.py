@@ -16,7 +16,6 @@ max(budget, floor), the floor over the budget, and what a fresh session's warmup
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import subprocess
 import sys
@@ -26,6 +25,8 @@ from typing import Any
 import torch
 
 import hyperpar
+from hyperpar.bench.headlines import write
+from hyperpar.bench.result_file import provenance
 from hyperpar.offload import OffloadConfig, OffloadSession
 
 MIB = 1 << 20
@@ -81,6 +82,7 @@ def main() -> int:
     parser.add_argument("--fractions", default="0.1,0.2,0.3,0.4,0.6")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    started = provenance()
     rows = measure([float(f) for f in args.fractions.split(",")])
     print("peaks over max(budget, floor at 256):")
     print("budget/peak  floor/budget  fresh warmup  first at 256  second at 256")
@@ -95,8 +97,7 @@ def main() -> int:
                "torch": torch.__version__, "machine": {"platform": platform.platform(), "python":
                                                         platform.python_version(), "threads": 1},
                "rows": rows}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+        write("grown_steps", args.out, doc, started)
     return 0
 
 

@@ -19,7 +19,6 @@ the ``gemm_dtype=torch.bfloat16`` opt-in.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import re
@@ -164,6 +163,10 @@ def main() -> None:
                         choices=[f"{s}/{d}" for s in SIZES for d in DTYPES],
                         help="run only this SHAPE/DTYPE cell (repeatable; default: all six)")
     args = parser.parse_args()
+    from hyperpar.bench.headlines import write  # a comparison: provenance, no headline
+    from hyperpar.bench.result_file import provenance
+
+    started = provenance()
     trees = dict(item.split("=", 1) for item in args.src)
     names = list(trees)
     import torch
@@ -192,12 +195,12 @@ def main() -> None:
                                        for m in memory.values()))
     print(f"load average (1 min) before and after: {[round(x, 1) for x in loads]}")
     if args.out is not None:
-        args.out.write_text(json.dumps({
+        write("moe_before_after", args.out, {
             "benchmark": "moe_before_after", "command": " ".join(["python", *sys.argv]),
             "torch": torch.__version__, "machine": platform.platform(), "cpus": os.cpu_count(),
             "threads_per_rank": 1, "ranks": 2, "steps": args.steps, "cells": args.cell,
             "load_average_1min": loads,
-            "trees": trees, "summary": summary}, indent=2) + "\n")
+            "trees": trees, "summary": summary}, started, indent=2)
         print(f"wrote {args.out}")
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import platform
 import statistics
@@ -107,6 +106,10 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=15, help="ops listed per variant")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here")
     args = parser.parse_args()
+    from hyperpar.bench.headlines import write  # a comparison: provenance, no headline
+    from hyperpar.bench.result_file import provenance
+
+    started = provenance()
     loads = [os.getloadavg()[0]]
     results = run_two_ranks(_rank, (args.shape, args.dtype, args.steps))
     loads.append(os.getloadavg()[0])
@@ -119,11 +122,11 @@ def main() -> None:
             print(f"    {op:45s} {ms:7.2f} ms {mine[0]['op_calls'][op]:6.1f} calls  (rank 0, per step)")
     print(f"load average (1 min) before and after: {[round(x, 1) for x in loads]}")
     if args.out is not None:
-        args.out.write_text(json.dumps({
+        write("moe_profile_vs_torchtitan", args.out, {
             "benchmark": "moe_profile_vs_torchtitan", "command": " ".join(["python", *sys.argv]),
             "torch": torch.__version__, "machine": platform.platform(), "cpus": os.cpu_count(),
             "threads_per_rank": 1, "ranks": 2, "steps": args.steps, "load_average_1min": loads,
-            "per_rank": results}, indent=2) + "\n")
+            "per_rank": results}, started, indent=2)
         print(f"wrote {args.out}")
 
 

@@ -218,6 +218,10 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     import hyperpar
+    from hyperpar.bench.headlines import write
+    from hyperpar.bench.result_file import provenance
+
+    started = provenance()
 
     results: dict[str, Any] = {}
     for name in args.only or SCENARIOS:
@@ -230,9 +234,8 @@ def main() -> int:
         "pg_timeout_s": args.pg_timeout, "scenarios": results,
     }
     existing = json.loads(args.out.read_text()) if args.out.exists() else {}
-    existing[args.label] = entry
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(existing, indent=1) + "\n")
+    kept = {k: v for k, v in existing.items() if k not in ("provenance", "headline")}
+    write("multicore_hang_paths", args.out, {**kept, args.label: entry}, started)
     return 0
 
 

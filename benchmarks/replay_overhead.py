@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import os
 import statistics
 import time
@@ -28,7 +27,9 @@ from typing import Any
 import torch
 
 import hyperpar
+from hyperpar.bench.headlines import write
 from hyperpar.bench.offload import PassThrough  # the do-nothing dispatch mode
+from hyperpar.bench.result_file import provenance
 from hyperpar.models import GPT, GPTConfig, random_batch
 from hyperpar.offload import OffloadConfig, OffloadSession
 
@@ -88,6 +89,7 @@ def main() -> None:
     parser.add_argument("--label", default="")
     parser.add_argument("--out", type=Path, default=Path("hyperpar-bench/replay_overhead.json"))
     args = parser.parse_args()
+    started = provenance()
     shallow, deep = (measure(args.steps, n) for n in (2, 8))
     extra_ops = deep["ops"] - shallow["ops"]
     added = {k: d["replay_over_passthrough_us_per_op"] * d["ops"] for k, d in (("2", shallow), ("8", deep))}
@@ -98,8 +100,7 @@ def main() -> None:
         "replay_over_passthrough_us_per_step": added["2"] - per_op * shallow["ops"]}
     result.update(label=args.label, hyperpar=str(Path(hyperpar.__file__).parent), torch=torch.__version__,
                   load_average=list(os.getloadavg()))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write("replay_overhead", args.out, result, started, indent=2)
     print(f"{args.label or 'this'}: replay adds {per_op:.2f} us per op and "
           f"{result['replay_over_passthrough_us_per_step']:.0f} us per step over a do-nothing dispatch mode "
           f"({shallow['ops']} and {deep['ops']} ops; whole-step averages "

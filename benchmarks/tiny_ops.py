@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import platform
 import sys
 import time
@@ -26,7 +25,9 @@ from typing import Any
 
 import torch
 
+from hyperpar.bench.headlines import write
 from hyperpar.bench.offload import PassThrough  # the do-nothing dispatch mode
+from hyperpar.bench.result_file import provenance
 from hyperpar.offload import OffloadConfig, OffloadSession
 
 
@@ -125,12 +126,12 @@ def main() -> None:
                         help="stop after planning: no replay steps, no kept-plan bytes")
     parser.add_argument("--out", type=Path, default=Path("hyperpar-bench/tiny_ops.json"))
     args = parser.parse_args()
+    started = provenance([".venv/bin/python", "benchmarks/tiny_ops.py", *sys.argv[1:]])
     result = measure(args.layers, args.budget_fraction, args.replays, args.skip_replay)
     result.update(torch=torch.__version__, machine=platform.machine(), python=platform.python_version(),
                   load_average=list(__import__("os").getloadavg()),
                   command=" ".join([".venv/bin/python", "benchmarks/tiny_ops.py", *sys.argv[1:]]))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    write("tiny_ops", args.out, result, started, indent=2)
     for key, value in result.items():
         print(f"{key:28} {value:.3f}" if isinstance(value, float) else f"{key:28} {value}")
 

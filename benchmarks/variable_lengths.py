@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from hyperpar.bench.headlines import write
+from hyperpar.bench.result_file import provenance
 from hyperpar.offload import OffloadConfig, OffloadSession
 
 MIB = 1 << 20
@@ -60,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 4:
         parser.error(f"--steps must be at least 4, got {args.steps}")
+    started = provenance(["python", "benchmarks/variable_lengths.py", *(argv or sys.argv[1:])])
     torch.set_num_threads(1)
     model = _llama()
     gen = torch.Generator().manual_seed(0)
@@ -112,8 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         "variable_over_fixed_per_token_in_session":
             per_token["variable_offload"] / per_token["fixed_offload"],
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    write("variable_lengths", args.out, doc, started)
     print(json.dumps({k: doc[k] for k in ("warmups", "diverged_steps", "steps_over_1_05_budget",
                                           "max_peak_over_budget", "at_step", "offload_over_plain",
                                           "variable_over_fixed_per_token_in_session")}, indent=1))

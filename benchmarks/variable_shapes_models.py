@@ -16,16 +16,16 @@ slack, more than 5 % of the small budgets here). One torch thread.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
+from hyperpar.bench.headlines import write
+from hyperpar.bench.result_file import provenance
 from hyperpar.offload import OffloadConfig, OffloadSession
 
 MIB = 1 << 20
@@ -133,6 +133,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    started = provenance()
     results = {}
     for name in tqdm(args.models.split(","), desc="models", file=sys.stderr):
         results[name] = measure(name, args.steps)
@@ -144,8 +145,7 @@ def main() -> int:
         machine = {"platform": platform.platform(), "python": platform.python_version(), "threads": 1}
         doc = {"benchmark": "variable_shapes_models", "command": " ".join(sys.argv),
                "torch": torch.__version__, "machine": machine, "models": results}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+        write("variable_shapes_models", args.out, doc, started)
     return 0
 
 

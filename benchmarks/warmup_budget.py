@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import platform
 import sys
 from pathlib import Path
@@ -27,6 +26,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from hyperpar.bench.headlines import write
+from hyperpar.bench.result_file import provenance
 from hyperpar.offload import OffloadConfig, OffloadSession
 
 MIB = 1 << 20
@@ -84,6 +85,7 @@ def main() -> None:
                         help="budgets as fractions of the probe step's peak, comma-separated")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    started = provenance()
     import logging
 
     logging.getLogger("hyperpar").setLevel(logging.ERROR)  # the floor warnings of tight cells
@@ -100,11 +102,10 @@ def main() -> None:
               f"peak/max(budget, floor) {row['peak_over_budget']:.2f}{'  OVER' if row['over'] else ''}")
     print(f"over 1.05x: {sum(r['over'] for r in rows)} of {len(rows)}")
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({
+        write("warmup_budget", args.out, {
             "benchmark": "warmup_budget", "command": " ".join(["python", *sys.argv]),
             "torch": torch.__version__, "machine": platform.platform(), "threads": 1,
-            "cells": rows}, indent=1))
+            "cells": rows}, started)
         print(f"wrote {args.out}")
 
 

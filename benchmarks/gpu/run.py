@@ -39,6 +39,8 @@ try:
 except ModuleNotFoundError:  # a bare checkout on the GPU machine: use the source tree
     sys.path.insert(0, str(REPO / "src"))
 
+from hyperpar.bench.headlines import write  # noqa: E402
+from hyperpar.bench.result_file import provenance  # noqa: E402
 from hyperpar.models import Llama, LlamaConfig  # noqa: E402
 from hyperpar.offload import OffloadConfig, OffloadSession  # noqa: E402
 
@@ -345,7 +347,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="timed steps per variant (median reported)")
     p.add_argument("--time-limit", type=float, default=420.0,
                    help="seconds; variants not started by then are reported as skipped")
-    p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "gpu.json"))
+    p.add_argument("--out", default="hyperpar-bench/gpu.json",
+                   help="JSON path (benchmarks/results/gpu.json updates the committed result)")
     args = p.parse_args(argv)
     if args.warmup < 2:
         p.error(f"--warmup must be >= 2 (hyperpar traces on the first step), got {args.warmup}")
@@ -357,6 +360,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     start = time.perf_counter()
+    started = provenance()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -426,8 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": time.perf_counter() - start,
     }
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    write("gpu", out, json.loads(json.dumps(doc, default=str)), started, indent=2)
     log(f"wrote {out} ({doc['wall_s']:.0f} s)")
     return 0
 

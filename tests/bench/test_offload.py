@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hyperpar.bench.headlines import headline
 from hyperpar.cli import main
 
 
@@ -22,6 +23,8 @@ def test_quick_mode_writes_ratios_and_prediction_error(tmp_path: Path, capsys: p
     finally:
         torch.set_num_threads(threads)
     doc = json.loads(out.read_text())
+    assert doc["provenance"]["machine"]["cpu_model"]
+    assert [f["name"] for f in doc["headline"]] == [f["name"] for f in headline("offload", doc)]
     assert doc["benchmark"] == "offload" and doc["torch"] == torch.__version__
     assert doc["machine"]["cpu_count"] and "bench offload --quick" in doc["command"]
     assert doc["command"].endswith("--out hyperpar-bench/offload.json")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from hyperpar.bench.headlines import headline
 from hyperpar.cli import main
 
 
@@ -19,6 +20,8 @@ def test_quick_planner_benchmark(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "assumptions:" in printed and "GB/s" in printed
     assert "median exposed wait timed/greedy" in printed
     doc = json.loads(out.read_text())
+    assert doc["provenance"]["machine"]["cpu_model"]
+    assert [f["name"] for f in doc["headline"]] == [f["name"] for f in headline("planner", doc)]
     assert doc["command"] == "hyperpar bench planner --quick --out hyperpar-bench/planner.json"
     assert doc["torch"] and doc["machine"]["platform"] and doc["assumptions"]
     assert set(doc["models"]) == {"hyperpar-gpt", "cnn"}

@@ -166,7 +166,8 @@ KNOWN: dict[str, Run | Skip] = {
     (".venv/bin/hyperpar bench moe --dtypes float32,bfloat16 --runs 3 --steps 20 "
      "--out benchmarks/results/moe.json"): Skip(
         "tests/multicore/moe/test_bench_quick.py runs the quick MoE benchmark end to end"),
-    ".venv/bin/python -m hyperpar.bench.host_pool": Run(("--steps", "20", "--session-steps", "3")),
+    ".venv/bin/python -m hyperpar.bench.host_pool": Run(
+        ("--steps", "20", "--session-steps", "3", "--out", "{tmp}/host_pool.json")),
     ".venv/bin/python benchmarks/variable_lengths.py --out benchmarks/results/variable_lengths.json": Run(
         ("--steps", "6")),
     (".venv/bin/python benchmarks/multicore_hang_paths.py --label after "

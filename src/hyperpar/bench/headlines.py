@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from hyperpar.bench.result_file import Figure, figure
+from hyperpar.bench.result_file import Figure, figure, write_result
 
 MIB = 2 ** 20
 
@@ -143,6 +144,8 @@ def _worst_seconds(part: dict[str, Any]) -> float:
 def multicore_hang_paths(doc: dict[str, Any]) -> list[Figure]:
     """Time to error on every rank when one rank fails, now and before issue 14."""
     page = "docs/multicore.md"
+    if "after" not in doc:  # only a "before" run written so far
+        return []
     figs = [figure("worst_seconds_to_error", _worst_seconds(doc["after"]), "s",
                    "a mistake or failure on one rank: slowest time to error over ranks and paths "
                    f"(process-group timeout {doc['after']['pg_timeout_s']} s)", page)]
@@ -154,6 +157,8 @@ def multicore_hang_paths(doc: dict[str, Any]) -> list[Figure]:
 
 def fuzz_failures(doc: dict[str, Any]) -> list[Figure]:
     """Random programs bitwise equal to plain, now and before issue 11."""
+    if "after" not in doc:  # only a "before" run written so far
+        return []
     page, after = "docs/reliability.md", doc["after"]
     figs = [figure("bitwise_cases", after["ok"], f"of {after['cases']}",
                    "random programs (CI's fixed cases) bitwise equal to plain", page, better="higher",
@@ -185,6 +190,15 @@ def replay_overhead_cpu(doc: dict[str, Any]) -> list[Figure]:
                    "docs/architecture.md", spread=(min(runs), max(runs)))]
 
 
+def replay_overhead(doc: dict[str, Any]) -> list[Figure]:
+    """One run of ``benchmarks/replay_overhead.py``: replay's CPU time per op and per step."""
+    page = "docs/architecture.md"
+    return [figure("replay_us_per_op", doc["replay_over_passthrough_us_per_op"], "µs",
+                   "replay's CPU time per op over a do-nothing mode (slope between 2 and 8 layers)", page),
+            figure("replay_us_per_step", doc["replay_over_passthrough_us_per_step"], "µs",
+                   "same: the fixed part per step", page)]
+
+
 def tiny_ops(doc: dict[str, Any]) -> list[Figure]:
     """A step of 301,002 tiny ops: warmup, planning and replay against plain."""
     page = "docs/architecture.md"
@@ -208,12 +222,41 @@ def warmup_budget(doc: dict[str, Any]) -> list[Figure]:
                    "same: worst warmup peak / budget", page)]
 
 
+def grown_steps(doc: dict[str, Any]) -> list[Figure]:
+    """A step grown past its only plan: worst peak over max(budget, floor), first and re-planned."""
+    page, rows = "docs/variable_shapes.md", doc["rows"]
+    return [
+        figure("first_grown_step_worst_over_target", max(r["first_at_256"] for r in rows), "x",
+               f"attention-like step planned at length 96, first step at 256: worst peak / "
+               f"max(budget, floor) over {len(rows)} budgets", page),
+        figure("replanned_step_worst_over_target", max(r["second_at_256"] for r in rows), "x",
+               "same, second step at 256 (re-planned from the first)", page),
+    ]
+
+
+def host_pool(doc: dict[str, Any]) -> list[Figure]:
+    """Host memory the pool holds after drifting sizes, against the largest step's need."""
+    page = "docs/architecture.md"
+    steps = doc["pool_plain"]["steps"]
+    last = steps[max(steps, key=int)]
+    figs = [figure("pool_held_over_step_need", last["held_mib"] / last["max_step_need_mib"], "x",
+                   "host pool alone, random sizes: bytes held / largest step's need", page),
+            figure("pool_allocations", last["allocations"], "allocations",
+                   "same: host allocations over the run", page)]
+    if "session" in doc:
+        ss = doc["session"]["steps"]
+        figs.append(figure("session_held_mib", ss[max(ss, key=int)]["held_mib"], "MiB",
+                           "GPT in a session, random batch and length: host memory held at the end", page))
+    return figs
+
+
 HEADLINES: dict[str, Callable[[dict[str, Any]], list[Figure]]] = {
     "moe": moe, "offload": offload, "planner": planner, "variable_lengths": variable_lengths,
     "variable_shapes_models": variable_shapes_models, "compile": compile_in_session,
     "multicore_hang_paths": multicore_hang_paths, "fuzz_failures": fuzz_failures,
     "replay_instructions": replay_instructions, "replay_overhead_cpu": replay_overhead_cpu,
-    "tiny_ops": tiny_ops, "warmup_budget": warmup_budget,
+    "tiny_ops": tiny_ops, "warmup_budget": warmup_budget, "grown_steps": grown_steps,
+    "host_pool": host_pool, "replay_overhead": replay_overhead,
 }
 
 
@@ -221,3 +264,9 @@ def headline(stem: str, doc: dict[str, Any]) -> list[Figure]:
     """The headline of result file ``<stem>.json``; none for comparison and profile files."""
     fn = HEADLINES.get(stem)
     return fn(doc) if fn is not None else []
+
+
+def write(stem: str, path: Path | str, doc: dict[str, Any], started: dict[str, Any] | None = None,
+          indent: int = 1) -> dict[str, Any]:
+    """Write result ``stem`` to ``path`` with provenance and the headline this module derives."""
+    return write_result(path, doc, headline(stem, doc), started, indent)

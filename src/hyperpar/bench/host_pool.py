@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from hyperpar.bench.headlines import write
+from hyperpar.bench.result_file import provenance
 from hyperpar.offload.runtime import HostPool
 
 MIB = 1 << 20
@@ -166,6 +168,7 @@ def pinned_pool() -> HostPool:
 
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
+    started = provenance()
     result: dict[str, Any] = {
         "command": "python -m hyperpar.bench.host_pool " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if not k.startswith("_")),
@@ -176,9 +179,7 @@ def run(args: argparse.Namespace) -> int:
     }
     if args.session_steps:
         result["session"] = session_scenario(args.session_steps, args.seed)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result, indent=1))
+    print(json.dumps(write("host_pool", args.out, result, started), indent=1))
     return 0
 
 

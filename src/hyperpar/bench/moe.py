@@ -12,7 +12,6 @@ median over runs with the spread (min, max).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import socket
@@ -27,8 +26,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from hyperpar.bench.headlines import write
 from hyperpar.bench.moe_peers import TORCHTITAN_NOTE, TorchtitanExperts, naive_experts, torchtitan_missing
 from hyperpar.bench.moe_stack import STACK_DTYPE, measure_stack, summarise_stack
+from hyperpar.bench.result_file import provenance
 from hyperpar.multicore.moe import MoeExperts, set_grouped_mm_enabled
 
 # Fine-grained experts as in current MoE models (many small experts, larger top-k) and a
@@ -374,6 +375,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"--dtypes: unknown {unknown}, choose from {sorted(DTYPES)}", file=sys.stderr)
         return 2
     world = 2
+    started = provenance()
     loads: list[float] = []
     runs: list[dict[int, Any]] = []
     try:
@@ -408,8 +410,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out is None:
         print("(pass --out PATH to write the JSON and the plot)")
         return 0
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write("moe", args.out, report, started, indent=2)
     print(f"wrote {args.out}")
     try:
         _plot(report, args.out.with_suffix(".png"))

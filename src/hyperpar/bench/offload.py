@@ -16,7 +16,6 @@ whole-process timers run side by side from outside.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -27,6 +26,9 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from hyperpar.bench.headlines import write
+from hyperpar.bench.result_file import provenance
 
 MIB = 1 << 20
 VARIANTS = ("all", "plain", "replay", "passthrough")
@@ -174,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
     if args.batch is not None and args.batch < 1:
         raise SystemExit(f"--batch must be >= 1, got {args.batch}")
     torch.set_num_threads(args.threads)
+    started = provenance(_command(args).split())
     t0 = time.perf_counter()
     result = measure(args.quick, steps, args.batch, args.variant)
     if args.variant != "all":
@@ -209,7 +212,6 @@ def run(args: argparse.Namespace) -> int:
           f"do-nothing dispatch mode ({result['op_count']} ops per step)")
     print("error: measured replay vs the simulator's predicted_step_ms; x pred: the predicted slowdown "
           "over the trace's compute time (compare with x plain)")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=2) + "\n")
+    write("offload", args.out, doc, started, indent=2)
     print(f"wrote {args.out}")
     return 0

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import platform
 import statistics
@@ -23,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hyperpar.bench.headlines import write
+from hyperpar.bench.result_file import provenance
 from hyperpar.offload.ir import ActivationTrace, TraceOp
 
 WRITE_GBPS = 100.0  # activation bytes written per second of GPU compute (bf16 transformer, H100 class)
@@ -210,6 +211,7 @@ def _run(args: argparse.Namespace) -> int:
     from hyperpar.offload.planning.synthetic import synthetic_trace
 
     started = time.perf_counter()
+    started_from = provenance(_command(args).split())
     print("assumptions:")
     for line in ASSUMPTIONS:
         print(f"  - {line}")
@@ -234,9 +236,7 @@ def _run(args: argparse.Namespace) -> int:
     _print_table(results, synthetic, summary)
     doc = {
         "benchmark": "planner",
-        "command": " ".join(["hyperpar bench planner", *(["--quick"] if args.quick else []),
-                             "--out", str(args.out),
-                             *(["--plots", str(args.plots)] if args.plots is not None else [])]),
+        "command": _command(args),
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "cpus": os.cpu_count(), "python": platform.python_version()},
         "torch": torch.__version__,
@@ -248,12 +248,16 @@ def _run(args: argparse.Namespace) -> int:
         "synthetic": synthetic,
         "seconds": time.perf_counter() - started,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=2) + "\n")
+    write("planner", args.out, doc, started_from, indent=2)
     print(f"wrote {args.out}")
     if args.plots is not None:
         _plot(traces, args.plots)
     return 0
+
+
+def _command(args: argparse.Namespace) -> str:
+    return " ".join(["hyperpar bench planner", *(["--quick"] if args.quick else []), "--out", str(args.out),
+                     *(["--plots", str(args.plots)] if args.plots is not None else [])])
 
 
 def _print_table(

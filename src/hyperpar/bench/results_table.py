@@ -23,7 +23,7 @@ RESULTS = Path("benchmarks/results")
 PAGES = ("README.md", "docs/*.md")
 README_ORDER = ("moe", "offload", "planner", "variable_lengths", "variable_shapes_models", "compile",
                 "multicore_hang_paths", "fuzz_failures", "replay_instructions",
-                "replay_overhead_cpu", "tiny_ops", "warmup_budget")
+                "replay_overhead_cpu", "tiny_ops", "warmup_budget", "grown_steps")
 HEADER = ("| what was measured | value [spread] | goal | command | machine, date | detail |\n"
           "|---|---|---|---|---|---|")
 _BLOCK = re.compile(r"(<!-- results(?::(?P<stem>[\w.-]+))?:begin -->\n)(?P<body>.*?)"
