@@ -44,6 +44,9 @@ from hyperpar.bench.result_file import provenance  # noqa: E402
 from hyperpar.models import Llama, LlamaConfig  # noqa: E402
 from hyperpar.offload import OffloadConfig, OffloadSession  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from projection_compare import compare  # noqa: E402
+
 GiB = 1 << 30
 MiB = 1 << 20
 VARIANTS = ("no_offload", "hyperpar_50", "hyperpar_30", "save_on_cpu", "checkpoint")
@@ -262,7 +265,13 @@ def measure_activation_peak(model: Llama, idx: torch.Tensor, targets: torch.Tens
 
 
 def run_variant(name: str, model: Llama, idx: torch.Tensor, targets: torch.Tensor, device: torch.device,
-                act_peak: int, warmup: int, steps: int) -> dict[str, Any]:
+                act_peak: int, warmup: int, steps: int,
+                traces: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One variant's figures; a hyperpar variant's trace goes into ``traces`` (for the projection).
+
+    ``host_ms``: the host's time to issue the step (up to the end of backward, before the loss
+    is read back, which waits for the device): its launch cost while the device keeps up, the
+    device's time when the launch queue fills."""
     session: OffloadSession | None = None
     result: dict[str, Any] = {}
     if name.startswith("hyperpar_"):
@@ -271,7 +280,8 @@ def run_variant(name: str, model: Llama, idx: torch.Tensor, targets: torch.Tenso
         session = OffloadSession(OffloadConfig(max_resident_activation_mb=budget_mb, device=device))
         result["budget_mb"] = budget_mb
 
-    def step() -> float:
+    def step() -> tuple[float, float]:
+        t0 = time.perf_counter()
         model.zero_grad(set_to_none=True)
         ctx: contextlib.AbstractContextManager[Any]
         if session is not None:
@@ -286,25 +296,34 @@ def run_variant(name: str, model: Llama, idx: torch.Tensor, targets: torch.Tenso
                 loss.backward()
         if name == "save_on_cpu":
             loss.backward()
-        return float(loss.detach())
+        host_ms = (time.perf_counter() - t0) * 1e3  # before the read-back below waits for the device
+        return float(loss.detach()), host_ms
 
     try:
-        losses = []
+        losses, warmup_host = [], []
         for _ in range(warmup):
-            losses.append(step())
+            sync(device)
+            loss_value, host_ms = step()
+            losses.append(loss_value)
+            warmup_host.append(host_ms)
         meter = PeakMemory(device)
-        times = []
+        times, host_times = [], []
         sync(device)
         meter.start()
         for _ in range(steps):
             sync(device)
             t0 = time.perf_counter()
-            losses.append(step())
+            loss_value, host_ms = step()
+            losses.append(loss_value)
             sync(device)
             times.append((time.perf_counter() - t0) * 1e3)
+            host_times.append(host_ms)
         peak = meter.stop()
         result.update(ok=True, step_ms=statistics.median(times), step_ms_all=times,
+                      host_ms=statistics.median(host_times), first_step_host_ms=warmup_host[0],
                       peak_memory_bytes=peak, loss=losses[-1])
+        if session is not None and traces is not None and session.trace is not None:
+            traces[name] = session.trace
         if session is not None and session.last_report is not None:
             result["report"] = session.last_report.as_dict()
             result["copy_engine"] = getattr(session, "copy_engine_name", None)
@@ -387,12 +406,14 @@ def main(argv: list[str] | None = None) -> int:
     log(f"host link: {bw}")
 
     results: dict[str, dict[str, Any]] = {}
+    traces: dict[str, Any] = {}
     for name in RUN_ORDER:
         if time.perf_counter() - start > args.time_limit:
             results[name] = {"ok": False, "error": f"skipped: --time-limit {args.time_limit} s reached"}
             continue
         t0 = time.perf_counter()
-        results[name] = run_variant(name, model, idx, targets, device, act_peak, args.warmup, args.steps)
+        results[name] = run_variant(name, model, idx, targets, device, act_peak, args.warmup, args.steps,
+                                    traces)
         results[name]["wall_s"] = time.perf_counter() - t0
         r = results[name]
         log(f"  {name:12s} " + (f"{r['step_ms']:10.1f} ms  {r['peak_memory_bytes'] / MiB:10.1f} MiB"
@@ -415,18 +436,30 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{name:12s} {r['step_ms']:10.1f} {t_ratio:8.2f} {r['peak_memory_bytes'] / MiB:10.1f} "
             f"{m_ratio:8.2f} {r['loss']:10.5f}")
 
+    info = machine_info(device)
+    try:
+        projection = compare(results, traces, info.get("gpu"), bw)
+    except Exception as exc:  # the measured figures above still get written
+        projection = {"error": f"{type(exc).__name__}: {exc}"}
+    for name, row in projection.items():
+        if isinstance(row, dict) and "projected_ms" in row:
+            host, measured, projected = row["host_us_per_op"], row["measured_ms"], row["projected_ms"]
+            log(f"projection {name:12s} host us/op plain {host['plain_us']:.1f} "
+                f"replay {host['replay_us']:.1f}; "
+                f"replay measured {measured['replay']:.1f} ms, projected {projected['replay']:.1f} ms")
     doc = {
         "benchmark": "gpu",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "torch": torch.__version__,
         "device": str(device),
-        "machine": machine_info(device),
+        "machine": info,
         "size": {"note": size.note, "config": asdict(size.cfg), "batch": size.batch,
                  "dtype": str(size.dtype), "parameters": size.cfg.num_parameters()},
         "activation_peak_bytes": act_peak,
         "bandwidth": bw,
         "memory_metric": PeakMemory(device).metric,
         "variants": results,
+        "projection": projection,
         "wall_s": time.perf_counter() - start,
     }
     out = Path(args.out)

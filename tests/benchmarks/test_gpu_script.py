@@ -34,6 +34,10 @@ def test_cpu_tiny_run_writes_every_variant_with_numbers(tmp_path: Path) -> None:
     assert doc["variants"]["hyperpar_30"]["report"]["phase"] == "replay"
     assert doc["bandwidth"]["d2h_gbps"] > 0 and doc["bandwidth"]["h2d_gbps"] > 0
     assert "hyperpar_30" in proc.stdout and "x plain" in proc.stdout
+    for name in ("hyperpar_50", "hyperpar_30"):  # host cost per op measured, the projection beside it
+        row = doc["projection"][name]
+        assert row["host_us_per_op"]["plain_us"] > 0 and row["host_us_per_op"]["replay_us"] > 0, row
+        assert row["projected_ms"]["replay"] > 0 and row["measured_ms"]["replay"] > 0, row
 
 
 def test_runtime_check_passes_on_cpu() -> None:

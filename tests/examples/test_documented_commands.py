@@ -128,6 +128,10 @@ def _warmup_budget(out: str) -> None:
     assert re.search(r"over 1\.05x: \d+ of 4$", out, re.M), out
 
 
+def _gpu_projection(out: str) -> None:
+    assert "tiny (seq 128): " in out and "kernels launch-bound" in out
+
+
 def _help(out: str) -> None:
     assert "usage: hyperpar" in out
 
@@ -186,6 +190,8 @@ KNOWN: dict[str, Run | Skip] = {
     ".venv/bin/python benchmarks/warmup_budget.py --out benchmarks/results/warmup_budget.json": Run(
         ("--models", "gpt2", "--fractions", "0.4", "--out", "{tmp}/warmup_budget.json"), _warmup_budget,
         "hf"),
+    ".venv/bin/python benchmarks/gpu_projection.py --out benchmarks/results/gpu_projection.json": Run(
+        ("--shapes", "tiny", "--out", "{tmp}/gpu_projection.json"), _gpu_projection, "hf"),
     ".venv/bin/python benchmarks/gpu/run.py": Skip(
         "tests/benchmarks/test_gpu_script.py runs it as written at --device cpu --size tiny"),
     ".venv/bin/python -m pytest -q tests/reliability": Skip("a part of this test suite"),

@@ -1,11 +1,14 @@
-"""``hyperpar plan TRACE.json``: plan a saved trace, print the figures and draw the plots."""
+"""``hyperpar plan TRACE.json``: plan a saved trace, print the figures and draw the plots
+(with ``--device``, also the projected GPU step: ``plan_projection``)."""
 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
+
+from hyperpar.commands import plan_projection
+from hyperpar.commands.flags import non_negative
 
 MIB = 1 << 20
 
@@ -19,18 +22,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also plan budgets from 10%% to 100%% of the peak with both planners")
     parser.add_argument("--out", default="hyperpar_plan",
                         help="folder for the PNG plots (default: %(default)s)")
+    plan_projection.add_arguments(parser)
 
 
 def _budget_bytes(text: str | None, default: int) -> int:
-    if text is None:
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        raise SystemExit(f"hyperpar plan: --budget-mb must be a number of MiB, got {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise SystemExit(f"hyperpar plan: --budget-mb must be finite and >= 0, got {text!r}")
-    return int(value * MIB)
+    return default if text is None else int(non_negative("plan", "--budget-mb", text, "MiB") * MIB)
 
 
 def _row(cells: list[str], widths: list[int]) -> str:
@@ -47,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
     from hyperpar.offload.planning.sweep import deficit_warnings_muted, plan_point, sweep, with_budget
     from hyperpar.offload.planning.tails import tails_taken
 
+    plan_projection.check(args)
     path = Path(args.trace)
     if not path.is_file():
         print(f"hyperpar plan: trace file {str(path)!r} does not exist", file=sys.stderr)
@@ -103,18 +100,22 @@ def run(args: argparse.Namespace) -> int:
             print(_row([f"{100 * f:.0f}%", f"{100 * g.overhead:.1f}%", f"{100 * t.overhead:.1f}%",
                         f"{g.deficit_bytes / MIB:.1f} MiB", f"{t.deficit_bytes / MIB:.1f} MiB"],
                        [7, 11, 10, 12, 11]))
+    if args.device is not None:
+        plan_projection.report(args, trace, out if plots is not None else None)
     if plots is None:
         print("matplotlib is not installed: no plots (pip install 'hyperpar[plot]')")
         return 0
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "resident.png", out / "lanes.png"]
+    if args.device is not None:
+        written.append(out / "projection.png")
     title = f"{args.planner} planner, budget {trace.memory_limit_bytes / MIB:.0f} MiB"
     plots.plot_resident(written[0], baseline.resident_bytes, sim, trace.memory_limit_bytes, title,
                         floor=floor.floor_bytes)
     plots.plot_lanes(written[1], sim, title)
     if points:
         written.append(out / "sweep.png")
-        plots.plot_sweep(written[2], points, f"memory vs overhead: {path.name}",
+        plots.plot_sweep(written[-1], points, f"memory vs overhead: {path.name}",
                          floor_fraction=floor.floor_bytes / peak if peak else None)
     print("wrote " + ", ".join(str(p) for p in written))
     return 0

@@ -1,0 +1,98 @@
+"""``hyperpar plan TRACE --device h100``: the projected GPU step of plain PyTorch and the session."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from hyperpar.commands.flags import non_negative
+from hyperpar.offload.ir import ActivationTrace
+
+if TYPE_CHECKING:
+    from hyperpar.offload.projection import HostCosts
+
+MIB = 1 << 20
+HOST_FLAGS = (("--host-us-plain", "plain_us", "plain PyTorch"),
+              ("--host-us-replay", "replay_us", "the session's replay"),
+              ("--host-us-warmup", "warmup_us", "the session's warmup (trace)"))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from hyperpar.offload.projection import DEVICES, HostCosts
+
+    defaults = HostCosts()
+    parser.add_argument("--device", default=None, metavar="NAME",
+                        help=f"also project the step on this GPU model ({', '.join(sorted(DEVICES))})")
+    for flag, attr, what in HOST_FLAGS:
+        parser.add_argument(flag, default=None, metavar="US",
+                            help=f"host µs per op of {what} (default {getattr(defaults, attr):g}, "
+                                 "CPU-measured; pass the GPU-measured one)")
+
+
+def _host_costs(args: argparse.Namespace) -> HostCosts:
+    from hyperpar.offload.projection import HostCosts
+
+    values = {}
+    for flag, attr, _ in HOST_FLAGS:
+        text = getattr(args, flag[2:].replace("-", "_"))
+        if text is None:
+            continue
+        value = non_negative("plan", flag, text, "µs")
+        values[attr] = value
+    return HostCosts(**values)
+
+
+def _share(count: int, total: int) -> str:
+    return f"{count} ({100 * count / max(total, 1):.0f}%)"
+
+
+def check(args: argparse.Namespace) -> None:
+    """Reject a bad --device or host cost before any planning work."""
+    from hyperpar.offload.projection import DEVICES
+
+    if args.device is not None and args.device.lower() not in DEVICES:
+        raise SystemExit(f"hyperpar plan: --device must be one of {sorted(DEVICES)}, got {args.device!r}")
+    _host_costs(args)
+
+
+def report(args: argparse.Namespace, trace: ActivationTrace, out: Path | None) -> Path | None:
+    """Print the projection table; draw it into ``out`` (when given); return the plot's path."""
+    from hyperpar.offload.projection import get_device, project
+
+    proj = project(trace, get_device(args.device), _host_costs(args), trace.memory_limit_bytes, args.planner)
+    h, d = proj.host, proj.device
+    print()
+    print(f"projection on {d.name}: {d.peak_tflops:g} TFLOP/s, HBM {d.hbm_gbps:g} GB/s, link "
+          f"{d.link_gbps:g} GB/s each way, launch {d.launch_us:g} µs; host µs/op plain {h.plain_us:g}, "
+          f"replay {h.replay_us:g}, warmup {h.warmup_us:g}")
+    costs = proj.costs
+    if not costs.has_shapes:
+        print("  the trace has no shapes: FLOPs unknown, device time from storage bytes alone")
+    elif costs.flops_unknown:
+        print(f"  {costs.flops_unknown} matmul/attention ops without a derivable shape: costed by bytes")
+    print(f"  {proj.num_ops} ops, {proj.kernels} kernels, {costs.total_flops / 1e12:.3f} TFLOP, "
+          f"{costs.total_bytes / 1e9:.3f} GB through HBM; "
+          f"device busy {proj.plain.device_busy_us / 1e3:.3f} ms")
+    widths = [8, 10, 10, 9, 9, 14, 16]
+    print("  ".join(c.rjust(w) for c, w in zip(
+        ["path", "step ms", "host ms", "wait ms", "x plain", "launch-bound", "launch-bound k"], widths,
+        strict=True)))
+    for name, path in (("plain", proj.plain), ("warmup", proj.warmup), ("replay", proj.replay)):
+        cells = [name, f"{path.step_us / 1e3:.3f}", f"{path.host_us / 1e3:.3f}",
+                 f"{path.copy_wait_us / 1e3:.3f}",
+                 f"{path.step_us / proj.plain.step_us:.2f}" if proj.plain.step_us else "-",
+                 _share(path.launch_bound_ops, proj.num_ops), _share(path.launch_bound_kernels, proj.kernels)]
+        print("  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)))
+    print(f"  the replay at budget {proj.budget_bytes / MIB:.1f} MiB: peak {proj.peak_bytes / MIB:.1f} MiB, "
+          f"D2H {proj.bytes_d2h / MIB:.1f} MiB, H2D {proj.bytes_h2d / MIB:.1f} MiB"
+          + (f", over budget by {proj.deficit_bytes / MIB:.1f} MiB" if proj.deficit_bytes else ""))
+    print("  (warmup: its host cost only, without its copies; launch-bound k: among kernels)")
+    if out is None:
+        return None
+    from hyperpar.offload.projection.plot import plot_projection
+
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "projection.png"
+    plot_projection(path, proj, f"{d.name}: device time vs host cost per op")
+    return path

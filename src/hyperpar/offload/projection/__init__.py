@@ -1,0 +1,21 @@
+"""GPU projection: predict a step's time on an accelerator from a trace recorded anywhere.
+
+Until a GPU run exists, the per-op FLOPs and bytes of a trace, a device model (peak FLOP/s,
+HBM and host-link bandwidth, launch latency) and a measured host cost per op give the step
+time of plain PyTorch and of the session's replay at a budget, and which ops are launch-bound.
+"""
+
+from hyperpar.offload.projection.devices import DEVICES, DeviceModel, HostCosts, get_device
+from hyperpar.offload.projection.op_costs import OpCost, op_costs
+from hyperpar.offload.projection.timeline import Projection, project
+
+__all__ = [
+    "DEVICES",
+    "DeviceModel",
+    "HostCosts",
+    "OpCost",
+    "Projection",
+    "get_device",
+    "op_costs",
+    "project",
+]
