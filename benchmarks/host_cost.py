@@ -285,29 +285,30 @@ def headline(results: dict[str, dict[str, Any]]) -> list[Figure]:
     return figs
 
 
-def profile(out_dir: Path, quick: bool, replays: int = 5) -> list[Path]:
-    """cProfile of the HF Llama warmup (a fresh session) and replay at 50 %, as text in ``out_dir``."""
+def profile(out_dir: Path, quick: bool, steps: int = 10) -> list[Path]:
+    """cProfile of ``steps`` HF Llama warmups (each a fresh session) and replays at 50 %, as text."""
     w = build("hf-llama", quick, 0)
     ops, peak = probe(w)
     written = []
     for phase in ("warmup", "replay"):
-        session = _session(peak * 0.5)
-        if phase == "replay":
-            for _ in range(3):
-                w.run(_fixed(session))
+        kept = _session(peak * 0.5)
+        for _ in range(3):
+            w.run(_fixed(kept))
+        sessions = [_session(peak * 0.5) if phase == "warmup" else kept for _ in range(steps)]
         prof = cProfile.Profile()
-        steps = 1 if phase == "warmup" else replays
         gc.collect()
-        prof.enable()
-        for _ in range(steps):
+        for session in sessions:
+            prof.enable()
             w.run(_fixed(session))
-        prof.disable()
-        assert session.last_report is not None and session.last_report.phase == phase
+            prof.disable()
+            assert session.last_report is not None and session.last_report.phase == phase
         buf = io.StringIO()
         prov = provenance()
+        fresh = " (a fresh session each)" if phase == "warmup" else ""
         buf.write(f"# HF Llama (hidden 64, 4 layers, 2 x 64 tokens, {ops} ops), {phase} at 50 % of the peak, "
-                  f"{steps} step(s)\n# commit {prov['commit']} dirty={prov['dirty']} torch {prov['torch']} "
-                  f"load {prov['load_average']['start']}\n# command: {prov['command']}\n")
+                  f"{steps} steps{fresh}\n# commit {prov['commit']} dirty={prov['dirty']} "
+                  f"torch {prov['torch']} load {prov['load_average']['start']}\n"
+                  f"# command: {prov['command']}\n")
         for key in ("tottime", "cumulative"):
             buf.write(f"\n## top 25 by {key}\n")
             pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(25)
@@ -338,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     started = provenance(["benchmarks/host_cost.py", *(sys.argv[1:] if argv is None else argv)])
     if args.profile is not None:
-        for path in profile(args.profile, args.quick):
+        for path in profile(args.profile, args.quick, 2 if args.quick else 10):
             print(f"wrote {path}")
         return 0
     reps = args.reps or (1 if args.quick else 9)
