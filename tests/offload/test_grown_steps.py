@@ -47,7 +47,9 @@ def _run(session: OffloadSession | None, length: int, ws: list[torch.Tensor], ba
 
 
 def _session(budget: int) -> OffloadSession:
-    return OffloadSession(OffloadConfig(max_resident_activation_mb=budget / MIB))
+    """The checked path (a plan that moves nothing would take the fast path, whose departure
+    at another size is covered by tests/offload/test_fast_replay.py)."""
+    return OffloadSession(OffloadConfig(max_resident_activation_mb=budget / MIB, fast_replay=False))
 
 
 @pytest.mark.parametrize("fraction", [0.4, 0.6])

@@ -52,6 +52,9 @@ class OffloadConfig:
     # Budget as a fraction of the activation peak the first warmup measures (the trace's peak
     # without offload); that first step runs under max_resident_activation_mb. None: off.
     max_resident_fraction: float | None = None
+    # A step whose plan moves nothing runs without the dispatch mode once a checked replay of
+    # it ran clean (saved tensors fingerprinted instead; see capture/fast_replay.py)
+    fast_replay: bool = True
 
     def __post_init__(self) -> None:
         _check_mb("max_resident_activation_mb", self.max_resident_activation_mb)
@@ -95,6 +98,8 @@ class OffloadConfig:
                             f"copy_d2h/copy_h2d, got {self.copy_engine!r}")
         if not isinstance(self.timeline, bool):
             raise TypeError(f"OffloadConfig.timeline must be a bool, got {self.timeline!r}")
+        if not isinstance(self.fast_replay, bool):
+            raise TypeError(f"OffloadConfig.fast_replay must be a bool, got {self.fast_replay!r}")
         fraction = self.max_resident_fraction
         if fraction is not None:
             if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):

@@ -45,6 +45,8 @@ from hyperpar.offload.capture import (
     host_reads,
     size_bucket,
 )
+from hyperpar.offload.capture.fast_replay import FallbackExecutor
+from hyperpar.offload.capture.saved_tensor_guard import Fingerprint, SavedTensorGuard
 from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
 from hyperpar.offload.ir.packed import PackedTrace
 from hyperpar.offload.ir.packed_schedule import PackedSchedule
@@ -83,6 +85,14 @@ MAX_SIZES = 16  # plans per structure
 # A step of a planned size whose activations are this much larger in total is planned again.
 REPLAN_GROWTH = 1.01
 _UNKNOWN = object()  # no step has followed this structure yet
+FAST_DEPARTURES = 2  # fast steps of a structure that departed, after which it stays checked
+
+
+@dataclass(slots=True)
+class _FastStep:
+    plan: _Plan
+    guard: SavedTensorGuard
+    t0: float
 
 
 @dataclass(eq=False)
@@ -94,6 +104,13 @@ class _Plan:
     predicted_ms: float
     total_bytes: int  # of every activation, at the sizes it was planned for
     floor: BudgetFloor
+    # the saved tensors' fingerprints of a clean checked replay of this plan, when it moves
+    # nothing: later steps may take the fast path (``capture.fast_replay``)
+    packs: tuple[Fingerprint, ...] | None = None
+
+    @property
+    def moves(self) -> bool:
+        return bool(self.program.act_code)
 
     @property
     def trace(self) -> ActivationTrace:
@@ -110,6 +127,7 @@ class _Structure:
     keys: list[object]
     sizes: dict[int, _Plan]  # size bucket -> plan
     last: _Plan  # the plan its last step followed
+    departures: int = 0  # fast steps that departed from their plan (sizes vary here: stay checked)
 
 
 def _signature(packed: PackedTrace, keys: list[object]) -> int:
@@ -148,6 +166,8 @@ class OffloadSession:
         self._timeline: StepTimeline | None = None
         self.link_bandwidth: dict[str, object] | None = None
         self._executor: ExecutorBase | None = None
+        self._fast: _FastStep | None = None  # the running step takes the fast path
+        self._packs: SavedTensorGuard | None = None  # records a mode step's saved tensors
         self._mode: OffloadDispatchMode | None = None
         self._t0 = 0.0
         self._budget_bytes = config.budget_bytes  # max_resident_fraction: resolved at the first trace
@@ -250,6 +270,10 @@ class OffloadSession:
         budget = self._budget_bytes
         plan = self._choose()
         self._came_from, self._running = self._prev, plan
+        if plan is not None and self._fast_ok(plan):
+            guard = SavedTensorGuard(plan.packs, self._fall_back).__enter__()
+            self._fast = _FastStep(plan, guard, time.perf_counter())
+            return self
         if plan is not None:
             others = tuple(p.program for st in reversed(self._structures.values())
                            for p in [st.last, *st.sizes.values()] if p is not plan)
@@ -270,12 +294,23 @@ class OffloadSession:
             executor.timer.begin_step()
         self._t0 = time.perf_counter()
         self._mode.__enter__()
+        if self.config.fast_replay:  # on every step (saved-tensor hooks change the ops autograd
+            self._packs = SavedTensorGuard().__enter__()  # runs: no ``detach`` per saved output)
         if isinstance(executor, WarmupExecutor):
             gc_pause.hold()  # the trace is many small acyclic objects: collect after the step
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> bool:
+        fast, packs = self._fast, self._packs
+        self._fast = self._packs = None
+        if fast is not None:
+            fast.guard.__exit__()
+            if self._executor is None:  # followed its plan (or failed) without a fallback
+                self._exit_fast(fast, exc_type is None)
+                return False
+        if packs is not None:
+            packs.__exit__()
         executor, mode = self._executor, self._mode
         assert executor is not None and mode is not None
         clean = exc_type is None
@@ -288,6 +323,8 @@ class OffloadSession:
             self._manager.engine.end_step()
             report.exposed_wait_ms = self._manager.engine.exposed_wait_ms()
             if clean:
+                if packs is not None:
+                    self._learn_packs(executor, packs)
                 self._after_clean_step(executor, report)
             elif isinstance(exc, OffloadDivergenceError) and isinstance(executor, ReplayExecutor):
                 self._forget_successor()  # on_divergence="raise": trace this step's kind next time
@@ -332,7 +369,74 @@ class OffloadSession:
             self._next[self._came_from] = None
         self.phase = "warmup" if self._choose() is None else "replay"
 
+    def _fast_ok(self, plan: _Plan) -> bool:
+        """Whether the step may take the fast path: a plan that moves nothing within the
+        budget, with the saved tensors of a clean checked replay to compare against."""
+        return (self.config.fast_replay and bool(plan.packs) and not plan.moves
+                and not plan.program.region_accesses
+                and plan.program.planned_peak <= self._budget_bytes
+                and self._structures[plan.signature].departures < FAST_DEPARTURES)
+
+    def _fall_back(self, index: int, why: str) -> None:
+        """A fast step's saved tensor ``index`` differs from its plan's (called from the pack
+        hook): the rest of the step runs on the online path, within the budget."""
+        fast = self._fast
+        assert fast is not None
+        logger.info("fast replay departed from its plan at saved tensor %d (%s): the rest of the step "
+                    "keeps the budget online", index, why)
+        m = self._manager
+        executor = FallbackExecutor(m, self.device, self._budget_bytes, index, why, fast.guard.storages)
+        m.describe_op = executor.describe_op
+        self._executor = executor
+        self._mode = OffloadDispatchMode(executor, self)
+        host_reads.step_started(executor)
+        m.engine.begin_step()
+        self._mode.__enter__()
+
+    def _exit_fast(self, fast: _FastStep, clean: bool) -> None:
+        """A fast step that needed no fallback: its report, and what the session learns."""
+        if not clean:
+            return
+        plan = fast.plan
+        structure = self._structures[plan.signature]
+        report = StepReport(phase="replay", op_count=plan.program.num_ops,
+                            peak_resident_bytes=plan.program.planned_peak, budget_bytes=self._budget_bytes,
+                            step_ms=(time.perf_counter() - fast.t0) * 1e3,
+                            predicted_step_ms=plan.predicted_ms, replay_path="fast")
+        if not fast.guard.complete():  # fewer saved tensors: it ended early (peak: the plan's, unmeasured)
+            report.departed_at_saved = fast.guard.count
+            plan.packs = None
+            structure.departures += 1
+        plan.floor.annotate(report)
+        self._structures.move_to_end(plan.signature)
+        structure.last = plan
+        self._learn(plan.signature)
+        self._current = plan
+        self.phase = "replay"
+        self.last_report = report
+
+    def _after_fallback(self, executor: FallbackExecutor, report: StepReport) -> None:
+        """A fast step that departed: its plan is checked again next time (or traced there)."""
+        plan = self._running
+        assert plan is not None
+        plan.packs = None
+        self._structures[plan.signature].departures += 1
+        self.phase = "warmup" if self._choose() is None else "replay"
+        self.last_report = report
+
+    def _learn_packs(self, executor: ExecutorBase, recorder: SavedTensorGuard) -> None:
+        """A checked replay that followed its plan to the end: its saved tensors are what a
+        fast step of that plan must save."""
+        plan = self._running
+        if (isinstance(executor, ReplayExecutor) and plan is not None and executor.diverged_at is None
+                and executor.program is plan.program and not plan.moves and recorder.count
+                and not recorder.lifted):
+            plan.packs = tuple(recorder.fingerprints)
+
     def _after_clean_step(self, executor: ExecutorBase, report: StepReport) -> None:
+        if isinstance(executor, FallbackExecutor):
+            self._after_fallback(executor, report)
+            return
         trace: ActivationTrace | None = None
         packed: PackedTrace | None = None
         arrays: TraceArrays | None = None

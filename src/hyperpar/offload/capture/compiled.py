@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_leaves
 from hyperpar.offload.capture import dispatch_mode
 from hyperpar.offload.capture.executor_base import ExecutorBase, internal
 from hyperpar.offload.capture.opaque import _hook_region_nodes, device_storages
+from hyperpar.offload.capture.saved_tensor_guard import guard_lifted
 
 Tensor = torch.Tensor
 _sequence_nr = torch._C._autograd._get_sequence_nr
@@ -64,19 +65,20 @@ def run_compiled(ex: ExecutorBase, mode: dispatch_mode.OffloadDispatchMode, name
         with internal(ex):
             kinds = ex.classify_inputs(_tensors(args, kwargs), [], False)[0]
             ex._bring_in(kinds)
-        with mode.suspended():
+        with mode.suspended(), guard_lifted():
             return fn(*args, **kwargs)
     with internal(ex):
         token = ex.begin_opaque(name, inputs)
     grad = torch.is_grad_enabled()
     first = _sequence_nr() if grad else 0
     saved: list[Tensor] = []
-    hooks = (torch.autograd.graph.saved_tensors_hooks(_collect(saved), _same)
-             if grad and module is not None and not _outer_hooks() else contextlib.nullcontext())
     ex.opaque_depth += 1
     try:
-        with mode.suspended(), hooks:
-            out = fn(*args, **kwargs)
+        with mode.suspended(), guard_lifted():  # (the session's own saved-tensor guard steps aside)
+            hooks = (torch.autograd.graph.saved_tensors_hooks(_collect(saved), _same)
+                     if grad and module is not None and not _outer_hooks() else contextlib.nullcontext())
+            with hooks:
+                out = fn(*args, **kwargs)
     finally:
         ex.opaque_depth -= 1
     outputs = [o for o in tree_leaves(out) if isinstance(o, Tensor)]

@@ -522,6 +522,17 @@ class ExecutorBase:
     def run_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         raise NotImplementedError
 
+    def report(self, step_ms: float, **extra: Any) -> StepReport:
+        m = self.manager
+        return StepReport(
+            phase=self.phase, op_count=self.index, peak_resident_bytes=self.peak_bytes,
+            budget_bytes=self.budget_bytes, bytes_d2h=m.bytes_d2h, bytes_h2d=m.bytes_h2d,
+            demand_faults=m.demand_faults, step_ms=step_ms,
+            overshoot_bytes=max(self.peak_bytes - self.budget_bytes, 0),
+            overshoot_op=self.peak_op if self.peak_bytes > self.budget_bytes else None,
+            offload_cap_hits=m.cap_hits, **extra,
+        )
+
     def finish(self, clean: bool, step_ms: float) -> tuple[StepReport, Exception | None]:
         """Page every live storage back in; returns the report and an error to raise, if any."""
         raise NotImplementedError

@@ -73,11 +73,12 @@ ON_DEMAND_GROWTH = 1.25
 
 
 def _top(budget: int, program: ReplayProgram) -> int:
-    """What replay holds to: the budget where it can be met at the plan's sizes (whatever
-    the timed plan's peak: copies slower than it assumed are waited for, not paid in
-    memory), else the plan's own peak."""
-    if program.floor_bytes and program.floor_bytes <= budget:
-        return budget
+    """What replay holds to: the budget, or the floor at the plan's sizes where the budget is
+    below it (instant copies: whatever peak the timed plan predicted from measured times,
+    copies slower than it assumed are waited for, not paid in memory); without a floor, the
+    plan's own peak."""
+    if program.floor_bytes:
+        return max(budget, program.floor_bytes)
     return max(budget, program.planned_peak)
 
 
@@ -131,13 +132,15 @@ class ReplayExecutor(ExecutorBase):
         self._raise = on_divergence == "raise"
         self._opaque_marks: list[int] = []
         self._replay_regions: list[_Region] = []
+        self._careful = False  # _growth, relieved or _grew: ops make room first (``_make_room``)
+        # an op made more than planned (``_outgrown``), or the plan's peak is above what the
+        # step holds to (``_hold_to``)
+        self._grew = False
         self._top = self._limit = 0
         self._hold_to(_top(budget_bytes, program))
         self.relieved = False  # evicted beyond the plan: every op pages in and marks writes
         self.first_size = -1  # bytes of the step's first activation (picks the size's plan)
         self._growth = 0.0  # when > 1: this step's sizes over the plan's; room is made before ops
-        self._careful = False  # _growth, relieved or _grew: ops make room first (``_make_room``)
-        self._grew = False  # an op made more than planned (``_outgrown``)
         self._on_demand = False  # skip the plan's prefetches: inputs come back when an op needs them
         # bytes an op makes at the plan's sizes -> the most bytes made / those, in careful mode
         self._made_ratio: dict[int, float] = {}
@@ -253,8 +256,11 @@ class ReplayExecutor(ExecutorBase):
 
     def _hold_to(self, top: int) -> None:
         """The bytes this step holds to (``_top``), and the limit above which it evicts beyond
-        its plan (that plus the slack)."""
+        its plan (that plus the slack). A plan whose own peak is above it (a timed plan that
+        expected slow copies to cost memory) is followed carefully: room before every op."""
         self._top, self._limit = top, _limit(top)
+        if self.program.planned_peak > self._limit:
+            self._grew = self._careful = True
 
     def _reap(self, i: int) -> None:
         """Free the device bytes finished copies let go of; where releases still in flight
@@ -839,16 +845,7 @@ class ReplayExecutor(ExecutorBase):
             self.ops, self.guides = packed.ops(self.index), packed.guides(self.index)
             self.keys = list(self.program.keys[:self.index])
             self._first_online = self.index
-        m = self.manager
-        report = StepReport(
-            phase="replay", op_count=self.index, peak_resident_bytes=self.peak_bytes,
-            budget_bytes=self.budget_bytes, bytes_d2h=m.bytes_d2h, bytes_h2d=m.bytes_h2d,
-            demand_faults=m.demand_faults, step_ms=step_ms,
-            overshoot_bytes=max(self.peak_bytes - self.budget_bytes, 0),
-            overshoot_op=self.peak_op if self.peak_bytes > self.budget_bytes else None,
-            offload_cap_hits=m.cap_hits, diverged_at=self.diverged_at,
-        )
-        return report, pending
+        return self.report(step_ms, diverged_at=self.diverged_at, replay_path="checked"), pending
 
     def _switch_to_shorter(self) -> None:
         """The step ended early: it may be a known plan that is a prefix of this one."""

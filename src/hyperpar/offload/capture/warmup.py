@@ -237,17 +237,6 @@ class WarmupExecutor(ExecutorBase):
             self.manager.restore_all()
         return self.report(step_ms), None
 
-    def report(self, step_ms: float, **extra: Any) -> StepReport:
-        m = self.manager
-        return StepReport(
-            phase=self.phase, op_count=self.index, peak_resident_bytes=self.peak_bytes,
-            budget_bytes=self.budget_bytes, bytes_d2h=m.bytes_d2h, bytes_h2d=m.bytes_h2d,
-            demand_faults=m.demand_faults, step_ms=step_ms,
-            overshoot_bytes=max(self.peak_bytes - self.budget_bytes, 0),
-            overshoot_op=self.peak_op if self.peak_bytes > self.budget_bytes else None,
-            offload_cap_hits=m.cap_hits, **extra,
-        )
-
     def build_trace(self, d2h_gbps: float, h2d_gbps: float) -> ActivationTrace:
         """Call after finish(): storages still alive are retained. Ops and guides are made
         on demand (``trace_view``)."""

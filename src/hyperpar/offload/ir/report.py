@@ -32,6 +32,13 @@ class StepReport:
     min_feasible_budget_bytes: int | None = None
     unmovable_retained_bytes: int | None = None  # kept after the step: parameter .grad, loss, outputs
     unmovable_working_set_bytes: int | None = None  # what that op itself reads and writes
+    # Replay: "checked" (every op through the dispatch mode), "fast" (a plan that moves
+    # nothing, saved tensors fingerprinted: the peak is the plan's, as every saved tensor
+    # matched it) or "fallback" (a fast step that departed from its plan at saved tensor
+    # ``departed_at_saved`` and finished on the online path: its peak counts what it saw from
+    # there, the saved tensors before it included; its floor is unknown). None for warmup.
+    replay_path: str | None = None
+    departed_at_saved: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

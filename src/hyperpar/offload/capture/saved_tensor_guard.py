@@ -1,0 +1,149 @@
+"""What autograd saves during a step, fingerprinted: recorded on a checked step, compared
+on a fast one (``capture.fast_replay``).
+
+``pack`` sees every tensor autograd saves (the hooks are pushed for the whole step) and
+keeps it as it is, with its version: autograd skips its own in-place check on tensors saved
+through hooks, so ``unpack`` makes it. A fingerprint is the tensor's shape and dtype, which
+earlier saved tensor of the step shares its storage (the aliasing), its storage offset and,
+for a non-leaf that is no view of a leaf, its version counter (in-place writes; a leaf's
+counter, which its views share, carries over between steps, as a parameter's optimizer
+update does). Code that refuses to run under saved-tensor hooks (torch.func's transforms,
+compiled regions) runs with the guard lifted (``guard_lifted``), and a step with such a
+block is marked as not fully seen."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+Tensor = torch.Tensor
+Fingerprint = tuple[Any, ...]
+
+
+class SavedTensorGuard:
+    """``pack``/``unpack`` for ``torch.autograd.graph.saved_tensors_hooks``: records the
+    fingerprints of a step's saved tensors (``expected=None``) or checks them."""
+
+    __slots__ = ("_expected", "_on_departure", "_slots", "count", "departed_at", "fingerprints", "lifted",
+                 "storages", "why")
+
+    def __init__(self, expected: tuple[Fingerprint, ...] | None = None,
+                 on_departure: Callable[[int, str], None] | None = None) -> None:
+        self._expected = expected
+        self._on_departure = on_departure
+        self._slots: dict[int, int] = {}  # storage address -> its slot (first seen order)
+        self.count = 0
+        self.fingerprints: list[Fingerprint] = []  # recorded (record mode)
+        self.storages: list[weakref.ref] = []  # each saved tensor's storage (for a fallback)
+        self.departed_at: int | None = None
+        self.why = ""
+        self.lifted = False  # something disabled saved-tensor hooks (torch.func): not all were seen
+
+    def __enter__(self) -> SavedTensorGuard:
+        _install()
+        torch._C._autograd._push_saved_tensors_default_hooks(self.pack, _unpack)
+        _local.guards.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _local.guards.remove(self)
+        top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        if top is not None and top[0] == self.pack:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+
+    def fingerprint(self, t: Tensor) -> Fingerprint:
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # storage-less layouts
+            return (t.shape, t.dtype, -1, 0, 0)
+        self.storages.append(weakref.ref(st))
+        slot = self._slots.setdefault(st._cdata, len(self._slots))
+        # a leaf's version counter (and its views', which share it) carries over between
+        # steps: a parameter's optimizer update
+        base = t._base
+        leafy = t.is_leaf or (base is not None and base.is_leaf)
+        return (t.shape, t.dtype, slot, t.storage_offset(), 0 if leafy else t._version)
+
+    def pack(self, t: Tensor) -> tuple[Tensor, int]:
+        k = self.count
+        self.count = k + 1
+        fp = self.fingerprint(t)
+        expected = self._expected
+        if expected is None:
+            self.fingerprints.append(fp)
+        elif self.departed_at is None and (k >= len(expected) or expected[k] != fp):
+            self.departed_at = k
+            self.why = ("more saved tensors than the plan's" if k >= len(expected)
+                        else f"saved tensor {k} is {_describe(fp)}, the plan's {_describe(expected[k])}")
+            if self._on_departure is not None:
+                self._on_departure(k, self.why)
+        return t, t._version
+
+    def complete(self) -> bool:
+        """After the step: whether it saved exactly the plan's tensors (and saw them all)."""
+        return (self.departed_at is None and not self.lifted and self._expected is not None
+                and self.count == len(self._expected))
+
+
+class _Guards(threading.local):
+    def __init__(self) -> None:
+        self.guards: list[SavedTensorGuard] = []
+
+
+_local = _Guards()
+_original_disable = torch.autograd.graph.disable_saved_tensors_hooks
+
+
+@contextlib.contextmanager
+def guard_lifted() -> Iterator[None]:
+    """The running step's guard steps aside for a block that must not run under our hooks
+    (torch.func's transforms refuse any; compiled code has its own handling of them): the
+    step is marked as not fully seen, so its structure does not take the fast path."""
+    guard = _local.guards[-1] if _local.guards else None
+    top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    lift = guard is not None and top is not None and top[0] == guard.pack
+    if lift:
+        guard.lifted = True  # type: ignore[union-attr]
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+    try:
+        yield
+    finally:
+        if lift:
+            torch._C._autograd._push_saved_tensors_default_hooks(guard.pack, _unpack)  # type: ignore[union-attr]
+
+
+@contextlib.contextmanager
+def _disable_saved_tensors_hooks(error_message: str) -> Iterator[None]:
+    """``torch.autograd.graph.disable_saved_tensors_hooks``, with the step's guard lifted."""
+    with guard_lifted(), _original_disable(error_message):
+        yield
+
+
+def _install() -> None:
+    """Once, at the first guarded step: the wrapper only acts while a guard is on this thread."""
+    if torch.autograd.graph.disable_saved_tensors_hooks is _original_disable:
+        torch.autograd.graph.disable_saved_tensors_hooks = _disable_saved_tensors_hooks
+
+
+def _unpack(packed: tuple[Tensor, int]) -> Tensor:
+    """Autograd skips its own in-place check on tensors saved through hooks: made here, with
+    autograd's words, so a step in a session fails where the plain step fails."""
+    t, version = packed
+    if t._version != version:
+        raise RuntimeError(
+            f"one of the variables needed for gradient computation has been modified by an inplace "
+            f"operation: [{t.type()} {list(t.shape)}] is at version {t._version}; expected version "
+            f"{version} instead. Hint: enable anomaly detection to find the operation that failed to "
+            f"compute its gradient, with torch.autograd.set_detect_anomaly(True).")
+    return t
+
+
+def _describe(fp: Fingerprint) -> str:
+    shape, dtype, slot, offset, version = fp
+    return (f"{tuple(shape)}:{str(dtype).removeprefix('torch.')} (storage {slot}, offset {offset}, "
+            f"version {version})")
