@@ -57,9 +57,9 @@ from hyperpar.offload.planning.arrays import (
     packed_trace_arrays,
     resident_without_offload,
 )
+from hyperpar.offload.planning.deficit_warnings import deficit_warnings_muted
 from hyperpar.offload.planning.floor import BudgetFloor, budget_floor
 from hyperpar.offload.planning.simulate import SimResult
-from hyperpar.offload.planning.sweep import deficit_warnings_muted
 from hyperpar.offload.planning.tails import plan_with_tails
 from hyperpar.offload.runtime import (
     CopyEngine,
