@@ -21,8 +21,9 @@ from typing import Any
 import torch
 
 from hyperpar.offload.capture.errors import OffloadDivergenceError
-from hyperpar.offload.capture.executor_base import internal, op_name
+from hyperpar.offload.capture.executor_base import internal
 from hyperpar.offload.capture.op_args import output_leaves, tensor_inputs
+from hyperpar.offload.capture.op_identity import op_name
 from hyperpar.offload.capture.replay_program import (
     AFTER_DEATH,
     BINDS,

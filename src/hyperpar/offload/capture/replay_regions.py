@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from hyperpar.offload.capture.executor_base import OpState
+from hyperpar.offload.capture.online_path import OpState
 from hyperpar.offload.capture.replay_actions import ReplayActions
 from hyperpar.offload.capture.replay_program import HAS_MOVED, HAS_PRE, HAS_WRITES
 from hyperpar.offload.capture.replay_state import PlanRegion
