@@ -38,9 +38,10 @@ def run(args: argparse.Namespace) -> int:
     from hyperpar.offload.planning import simulate, verify
     from hyperpar.offload.planning.arrays import trace_arrays
     from hyperpar.offload.planning.bounds import min_feasible_budget_timed
+    from hyperpar.offload.planning.deficit_warnings import deficit_warnings_muted
     from hyperpar.offload.planning.emit import emit_schedule
     from hyperpar.offload.planning.floor import budget_floor
-    from hyperpar.offload.planning.sweep import deficit_warnings_muted, plan_point, sweep, with_budget
+    from hyperpar.offload.planning.sweep import plan_point, sweep, with_budget
     from hyperpar.offload.planning.tails import tails_taken
 
     plan_projection.check(args)

@@ -14,17 +14,15 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from hyperpar.multicore.collective import CollectiveError, Scope, outcome_of, raise_if_any_failed
 from hyperpar.multicore.diagnostics import manifest_difference, value_difference
 from hyperpar.multicore.release import Hook, ReleaseHooks
+from hyperpar.multicore.resource_owner import ResourceOwner
 from hyperpar.multicore.resources import MemberToken, ResourceGroup
-
-if TYPE_CHECKING:
-    from hyperpar.multicore.module import MulticoreModule
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +62,7 @@ class ResourceManager:
         self._counters: dict[str | None, int] = {}  # scope key -> last binding id
         self._serial = 0
         self._release_callbacks: list[Callable[[], None]] = []
-        self._runtime_users: dict[str, type[MulticoreModule]] = {}  # types bound since the last release
+        self._runtime_users: dict[str, type[ResourceOwner]] = {}  # types bound since the last release
         self._failed_release: Scope | None = None  # where a failed runtime release is retried
         self._unreleased = ReleaseHooks(())  # the failed release's hooks that raised on this rank
         self.runtime_releases = 0
@@ -109,7 +107,7 @@ class ResourceManager:
         return tuple(spec for _, spec in sorted(members, key=lambda member: member[0]))
 
     # ----- binding ------------------------------------------------------------------------
-    def bind(self, group: ResourceGroup | None, module: MulticoreModule, tensor: Any,
+    def bind(self, group: ResourceGroup | None, module: ResourceOwner, tensor: Any,
              refusal: Exception | None) -> Any:
         """First execution of an unbound group: recycle idle orphans, else create resources.
 
@@ -180,7 +178,7 @@ class ResourceManager:
                 and orphan.device == tensor.device and orphan.dtype == tensor.dtype
                 and wanted.issubset(orphan.creation_specifications))
 
-    def _create(self, group: ResourceGroup, module: MulticoreModule, tensor: torch.Tensor, scope: Scope,
+    def _create(self, group: ResourceGroup, module: ResourceOwner, tensor: torch.Tensor, scope: Scope,
                 specs: tuple[Any, ...]) -> Any:
         created: list[Any] = []
 

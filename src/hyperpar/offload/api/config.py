@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from hyperpar.offload.runtime.copy_engine import chaos_seed
+from hyperpar.offload.runtime.engine_factory import chaos_seed
 
 PLANNER_CHOICES = ("greedy", "timed")
 DIVERGENCE_CHOICES = ("retrace", "raise")

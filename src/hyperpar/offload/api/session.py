@@ -25,7 +25,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 
@@ -33,6 +33,8 @@ import numpy as np
 import torch
 
 from hyperpar.offload.api.config import OffloadConfig
+from hyperpar.offload.api.fast_steps import FastSteps
+from hyperpar.offload.api.plans import FastStep, Plan, Structure, signature_of
 from hyperpar.offload.capture import (
     ExecutorBase,
     OffloadDispatchMode,
@@ -46,7 +48,7 @@ from hyperpar.offload.capture import (
     size_bucket,
 )
 from hyperpar.offload.capture.fast_replay import FallbackExecutor
-from hyperpar.offload.capture.saved_tensor_guard import Fingerprint, SavedTensorGuard
+from hyperpar.offload.capture.saved_tensor_guard import SavedTensorGuard
 from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
 from hyperpar.offload.ir.packed import PackedTrace
 from hyperpar.offload.ir.packed_schedule import PackedSchedule
@@ -59,9 +61,9 @@ from hyperpar.offload.planning.arrays import (
     packed_trace_arrays,
     resident_without_offload,
 )
+from hyperpar.offload.planning.deficit_warnings import deficit_warnings_muted
 from hyperpar.offload.planning.floor import BudgetFloor, budget_floor
 from hyperpar.offload.planning.simulate import SimResult
-from hyperpar.offload.planning.sweep import deficit_warnings_muted
 from hyperpar.offload.planning.tails import plan_with_tails
 from hyperpar.offload.runtime import (
     CopyEngine,
@@ -85,69 +87,9 @@ MAX_SIZES = 16  # plans per structure
 # A step of a planned size whose activations are this much larger in total is planned again.
 REPLAN_GROWTH = 1.01
 _UNKNOWN = object()  # no step has followed this structure yet
-FAST_DEPARTURES = 2  # fast steps of a structure that departed, after which it stays checked
 
 
-@dataclass(slots=True)
-class _FastStep:
-    plan: _Plan
-    guard: SavedTensorGuard
-    t0: float
-
-
-@dataclass(eq=False)
-class _Plan:
-    signature: int  # the structure's
-    packed: PackedTrace  # the trace and schedule, packed (objects cost several times more)
-    packed_schedule: PackedSchedule
-    program: ReplayProgram
-    predicted_ms: float
-    total_bytes: int  # of every activation, at the sizes it was planned for
-    floor: BudgetFloor
-    # the saved tensors' fingerprints of a clean checked replay of this plan, when it moves
-    # nothing: later steps may take the fast path (``capture.fast_replay``)
-    packs: tuple[Fingerprint, ...] | None = None
-
-    @property
-    def moves(self) -> bool:
-        return bool(self.program.act_code)
-
-    @property
-    def trace(self) -> ActivationTrace:
-        """As recorded: the schedule's tails (see ``planning.tails``) are not marked in it."""
-        return self.packed.unpack()
-
-    @property
-    def schedule(self) -> ResidencySchedule:
-        return self.packed_schedule.unpack()
-
-
-@dataclass(eq=False)
-class _Structure:
-    keys: list[object]
-    sizes: dict[int, _Plan]  # size bucket -> plan
-    last: _Plan  # the plan its last step followed
-    departures: int = 0  # fast steps that departed from their plan (sizes vary here: stay checked)
-
-
-def _signature(packed: PackedTrace, keys: list[object]) -> int:
-    """Everything replay checks (ops, inputs, outputs' dtypes and ranks, storage accesses,
-    pins), not sizes or timings: the packed structure's columns, each output shape by its rank."""
-    st = packed.structure
-    ranked: dict[tuple[object, ...], int] = {}  # output meta with ranks for shapes -> its number
-    numbers = np.array([ranked.setdefault(tuple(None if m is None else (len(m[0]), m[1]) for m in metas),
-                                          len(ranked)) for metas in st.metas], dtype=np.int64)
-    per_op = numbers[np.frombuffer(st.meta_index, dtype=np.int64)] if len(numbers) else numbers
-    return hash((
-        tuple(keys), tuple(ranked), per_op.tobytes(), st.has_guides, st.leaf_count.tobytes(),
-        st.bind_start.tobytes(), st.bind_leaf.tobytes(), st.bind_sid.tobytes(),
-        st.input_start.tobytes(), st.input_sid.tobytes(),
-        st.access_start.tobytes(), st.access_sid.tobytes(), st.access_write,
-        packed.pinned_sids,
-    ))
-
-
-class OffloadSession:
+class OffloadSession(FastSteps):
     def __init__(self, config: OffloadConfig | None = None) -> None:
         if config is None:
             config = OffloadConfig()
@@ -155,18 +97,18 @@ class OffloadSession:
             raise TypeError(f"OffloadSession(config=...) needs an OffloadConfig, got {config!r}")
         self.config = config
         self.phase = "warmup"
-        self._current: _Plan | None = None  # the plan of the last clean step
+        self._current: Plan | None = None  # the plan of the last clean step
         self.last_report: StepReport | None = None
-        self._structures: OrderedDict[int, _Structure] = OrderedDict()  # signature -> it, oldest first
+        self._structures: OrderedDict[int, Structure] = OrderedDict()  # signature -> it, oldest first
         self._next: dict[int, int | None] = {}  # structure -> the one that followed it (None: trace)
         self._prev: int | None = None  # structure of the last clean step
         self._came_from: int | None = None  # self._prev when the running step entered
-        self._running: _Plan | None = None  # the plan the running replay follows
+        self._running: Plan | None = None  # the plan the running replay follows
         self._record_timeline = config.timeline
         self._timeline: StepTimeline | None = None
         self.link_bandwidth: dict[str, object] | None = None
         self._executor: ExecutorBase | None = None
-        self._fast: _FastStep | None = None  # the running step takes the fast path
+        self._fast: FastStep | None = None  # the running step takes the fast path
         self._packs: SavedTensorGuard | None = None  # records a mode step's saved tensors
         self._mode: OffloadDispatchMode | None = None
         self._t0 = 0.0
@@ -272,7 +214,7 @@ class OffloadSession:
         self._came_from, self._running = self._prev, plan
         if plan is not None and self._fast_ok(plan):
             guard = SavedTensorGuard(plan.packs, self._fall_back).__enter__()
-            self._fast = _FastStep(plan, guard, time.perf_counter())
+            self._fast = FastStep(plan, guard, time.perf_counter())
             return self
         if plan is not None:
             others = tuple(p.program for st in reversed(self._structures.values())
@@ -353,7 +295,7 @@ class OffloadSession:
             raise pending
         return False
 
-    def _choose(self) -> _Plan | None:
+    def _choose(self) -> Plan | None:
         """The plan the next step should replay, or None to trace it."""
         if self._prev is None or self._prev not in self._structures:
             return None
@@ -368,70 +310,6 @@ class OffloadSession:
         if self._came_from is not None:
             self._next[self._came_from] = None
         self.phase = "warmup" if self._choose() is None else "replay"
-
-    def _fast_ok(self, plan: _Plan) -> bool:
-        """Whether the step may take the fast path: a plan that moves nothing within the
-        budget, with the saved tensors of a clean checked replay to compare against."""
-        return (self.config.fast_replay and bool(plan.packs) and not plan.moves
-                and not plan.program.region_accesses
-                and plan.program.planned_peak <= self._budget_bytes
-                and self._structures[plan.signature].departures < FAST_DEPARTURES)
-
-    def _fall_back(self, index: int, why: str) -> None:
-        """A fast step's saved tensor ``index`` differs from its plan's (called from the pack
-        hook): the rest of the step runs on the online path, within the budget."""
-        fast = self._fast
-        assert fast is not None
-        logger.info("fast replay departed from its plan at saved tensor %d (%s): the rest of the step "
-                    "keeps the budget online", index, why)
-        m = self._manager
-        executor = FallbackExecutor(m, self.device, self._budget_bytes, index, why, fast.guard.storages)
-        m.describe_op = executor.describe_op
-        self._executor = executor
-        self._mode = OffloadDispatchMode(executor, self)
-        host_reads.step_started(executor)
-        m.engine.begin_step()
-        self._mode.__enter__()
-
-    def _exit_fast(self, fast: _FastStep, clean: bool) -> None:
-        """A fast step that needed no fallback: its report, and what the session learns."""
-        if not clean:
-            return
-        plan = fast.plan
-        structure = self._structures[plan.signature]
-        report = StepReport(phase="replay", op_count=plan.program.num_ops,
-                            peak_resident_bytes=plan.program.planned_peak, budget_bytes=self._budget_bytes,
-                            step_ms=(time.perf_counter() - fast.t0) * 1e3,
-                            predicted_step_ms=plan.predicted_ms, replay_path="fast")
-        if not fast.guard.complete():  # fewer saved tensors: it ended early (peak: the plan's, unmeasured)
-            report.departed_at_saved = fast.guard.count
-            plan.packs = None
-            structure.departures += 1
-        plan.floor.annotate(report)
-        self._structures.move_to_end(plan.signature)
-        structure.last = plan
-        self._learn(plan.signature)
-        self._current = plan
-        self.phase = "replay"
-        self.last_report = report
-
-    def _after_fallback(self, executor: FallbackExecutor, report: StepReport) -> None:
-        """A fast step that departed: its plan is checked again next time (or traced there)."""
-        plan = self._running
-        assert plan is not None
-        plan.packs = None
-        self._structures[plan.signature].departures += 1
-        self.phase = "warmup" if self._choose() is None else "replay"
-        self.last_report = report
-
-    def _learn_packs(self, executor: ExecutorBase, recorder: SavedTensorGuard) -> None:
-        """A checked replay that followed its plan to the end: its saved tensors are what a
-        fast step of that plan must save."""
-        plan = self._running
-        if (isinstance(executor, ReplayExecutor) and plan is not None and executor.diverged_at is None
-                and executor.program is plan.program and not plan.moves and recorder.count
-                and not recorder.lifted):
-            plan.packs = tuple(recorder.fingerprints)
 
     def _after_clean_step(self, executor: ExecutorBase, report: StepReport) -> None:
         if isinstance(executor, FallbackExecutor):
@@ -465,7 +343,7 @@ class OffloadSession:
             if executor.timer is not None:
                 self._timeline = executor.timeline(self._manager.engine.spans())
         if trace is not None and packed is not None:  # a warmup, or a replay that diverged and traced itself
-            signature = _signature(packed, keys)
+            signature = signature_of(packed, keys)
             structure = self._structures.get(signature)
             if structure is None:
                 plan = self._new_plan(signature, trace, keys, packed, arrays)
@@ -489,7 +367,7 @@ class OffloadSession:
         self.phase = "warmup" if self._choose() is None else "replay"
         self.last_report = report
 
-    def _after_replay(self, executor: ReplayExecutor) -> _Plan:
+    def _after_replay(self, executor: ReplayExecutor) -> Plan:
         """The plan a replay ended on; a step of a size with no plan yet, or larger than its
         plan's, has its measured sizes planned now (no warmup needed)."""
         program = executor.program
@@ -507,7 +385,7 @@ class OffloadSession:
             plan = self._size_plan(structure, plan.signature, self._resized(plan.trace, sizes))
         return plan
 
-    def _measured_floor(self, executor: ReplayExecutor, plan: _Plan) -> BudgetFloor:
+    def _measured_floor(self, executor: ReplayExecutor, plan: Plan) -> BudgetFloor:
         """The floor at the storage sizes the step measured (the plan's structure, its sids)."""
         nbytes = executor.table.nbytes
         trace = self._resized(plan.trace, {sid: nbytes[sid] for sid in plan.packed.size_sid})
@@ -525,8 +403,8 @@ class OffloadSession:
         return replace(trace, storage_sizes=sizes, d2h_bandwidth_gbps=trace.d2h_bandwidth_gbps * ratio,
                        h2d_bandwidth_gbps=trace.h2d_bandwidth_gbps * ratio)
 
-    def _size_plan(self, structure: _Structure, signature: int, trace: ActivationTrace,
-                   packed: PackedTrace | None = None, arrays: TraceArrays | None = None) -> _Plan:
+    def _size_plan(self, structure: Structure, signature: int, trace: ActivationTrace,
+                   packed: PackedTrace | None = None, arrays: TraceArrays | None = None) -> Plan:
         base = next(iter(structure.sizes.values())).program
         plan = self._plan(signature, trace, structure.keys, base, packed, arrays)
         bucket = plan.program.bucket
@@ -537,9 +415,9 @@ class OffloadSession:
         return plan
 
     def _new_plan(self, signature: int, trace: ActivationTrace, keys: list[object], packed: PackedTrace,
-                  arrays: TraceArrays | None) -> _Plan:
+                  arrays: TraceArrays | None) -> Plan:
         plan = self._plan(signature, trace, keys, None, packed, arrays)
-        self._structures[signature] = _Structure(keys, {plan.program.bucket: plan}, plan)
+        self._structures[signature] = Structure(keys, {plan.program.bucket: plan}, plan)
         while len(self._structures) > MAX_STRUCTURES:
             old, _ = self._structures.popitem(last=False)
             self._next.pop(old, None)
@@ -549,7 +427,7 @@ class OffloadSession:
 
     def _plan(self, signature: int, trace: ActivationTrace, keys: list[object],
               structure: ReplayProgram | None, packed: PackedTrace | None = None,
-              arrays: TraceArrays | None = None) -> _Plan:
+              arrays: TraceArrays | None = None) -> Plan:
         """``packed``: the trace packed already (and ``arrays``, its arrays), else packed here."""
         from hyperpar.offload.planning import simulate  # planning sits beside capture
         from hyperpar.offload.planning.prediction import kept_simulation, simulations_kept
@@ -584,7 +462,7 @@ class OffloadSession:
         packed_schedule = PackedSchedule(schedule)
         program = ReplayProgram.build(trace, schedule, keys, sim.resident_bytes, structure, packed,
                                       packed_schedule, floor.floor_bytes)
-        return _Plan(signature, packed, packed_schedule, program, float(predicted),
+        return Plan(signature, packed, packed_schedule, program, float(predicted),
                      sum(trace.storage_sizes.values()), floor)
 
     def _learn(self, signature: int) -> None:

@@ -22,17 +22,10 @@ from typing import Any
 import torch
 from torch._ops import OpOverload
 
-from hyperpar.offload.capture.executor_base import (
-    DTYPE_NAMES,
-    PLAIN,
-    ExecutorBase,
-    OpState,
-    dtype_name,
-    internal,
-    op_kind,
-    op_name,
-)
+from hyperpar.offload.capture.executor_base import ExecutorBase, internal
+from hyperpar.offload.capture.online_path import OpState
 from hyperpar.offload.capture.op_args import mutates, nested_tensors, output_leaves
+from hyperpar.offload.capture.op_identity import DTYPE_NAMES, PLAIN, dtype_name, op_kind, op_name
 from hyperpar.offload.capture.output_bytes import PREDICTORS, predict_or_none
 from hyperpar.offload.capture.recorded_packed import packed_recording, timed_durations
 from hyperpar.offload.ir import AccessKind, ActivationTrace

@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
-from hyperpar.offload.planning import prediction, timed
 from hyperpar.offload.planning.arrays import TraceArrays, arrays_given, trace_arrays
+from hyperpar.offload.planning.deficit_warnings import deficit_warnings_muted
 from hyperpar.offload.planning.registry import get_planner
 from hyperpar.offload.planning.simulate import SimResult, simulate
 from hyperpar.offload.planning.tails import plan_with_tails
-
-# The loggers that say "plan exceeds the budget": every planner reports through one of them.
-DEFICIT_LOGGERS = (prediction.__name__, timed.__name__)
 
 
 @dataclass(frozen=True)
@@ -45,20 +40,6 @@ def with_budget(trace: ActivationTrace, budget_bytes: int) -> ActivationTrace:
     out = copy.copy(trace)
     out.memory_limit_bytes = int(budget_bytes)
     return out
-
-
-@contextlib.contextmanager
-def deficit_warnings_muted() -> Iterator[None]:
-    """For callers that report the deficit themselves (a sweep's table, ``hyperpar plan``)."""
-    loggers = [logging.getLogger(name) for name in DEFICIT_LOGGERS]
-    levels = [log.level for log in loggers]
-    for log in loggers:
-        log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        for log, level in zip(loggers, levels, strict=True):
-            log.setLevel(level)
 
 
 def plan_point(trace: ActivationTrace, planner: str, budget_fraction: float | None = None,

@@ -24,6 +24,7 @@ from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
 from hyperpar.offload.planning import prediction
 from hyperpar.offload.planning.arrays import TraceArrays, arrays_given
 from hyperpar.offload.planning.bounds import min_resident_bytes
+from hyperpar.offload.planning.deficit_warnings import deficit_warnings_muted
 from hyperpar.offload.planning.simulate import SimResult
 
 PlanOnce = Callable[[ActivationTrace, TraceArrays], tuple[ResidencySchedule, SimResult]]
@@ -34,8 +35,6 @@ def plan_with_tails(trace: ActivationTrace, arrays: TraceArrays, plan: PlanOnce
     """``plan`` once with the tails kept and, if it runs over the budget where tails are
     alive, once more with those taken off; the trace returned is the one planned (its
     ``tail_sids`` are what the schedule takes off)."""
-    from hyperpar.offload.planning.sweep import deficit_warnings_muted  # sweep plans through here
-
     tail = _tails(trace, arrays)
     if not tail.any():
         schedule, sim = plan(trace, arrays)

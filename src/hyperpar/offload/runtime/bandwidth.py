@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from hyperpar.offload.runtime.copy_engine import CopyEngine, make_copy_engine
+from hyperpar.offload.runtime.copy_engine import CopyEngine
+from hyperpar.offload.runtime.engine_factory import make_copy_engine
 from hyperpar.offload.runtime.normal_tensors import made_outside_inference_mode
 
 CPU_SIZES = (256 << 10, 1 << 20, 4 << 20)

@@ -5,11 +5,11 @@ Three engines keep one contract, so the residency manager never asks which one i
 (accelerator copy streams, one per direction) and ``ThreadCopyEngine`` (on CPU, one worker
 thread per direction), the last two asynchronous. A copy may name an event it must start
 after (``after``): the host slab's previous copy, or the storage's copy the other way.
+Choosing an engine by name is ``engine_factory``'s job, so this file imports none of them.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -117,45 +117,3 @@ class SyncCopyEngine:
 
     def close(self) -> None:
         return None
-
-
-ENGINE_ENV = "HYPERPAR_COPY_ENGINE"  # replaces "auto": e.g. chaos:7 runs every such session under it
-
-
-def chaos_seed(kind: str) -> int | None:
-    """The seed of ``chaos`` / ``chaos:SEED`` (``chaos`` alone: 0); None for any other kind."""
-    name, _, seed = kind.partition(":")
-    if name != "chaos":
-        return None
-    if not seed:
-        return 0
-    if not seed.isdigit():
-        raise ValueError(f"copy engine {kind!r}: the chaos seed must be an int >= 0, got {seed!r}")
-    return int(seed)
-
-
-def make_copy_engine(device: torch.device, kind: str = "auto") -> CopyEngine:
-    """``auto``: copy streams on an accelerator, worker threads on CPU (or what the
-    ``HYPERPAR_COPY_ENGINE`` environment variable names); or ``sync``/``thread``/``stream``/
-    ``chaos[:SEED]``."""
-    if kind == "auto":
-        kind = os.environ.get(ENGINE_ENV) or ("thread" if device.type == "cpu" else "stream")
-    seed = chaos_seed(kind)
-    if seed is not None:
-        from hyperpar.offload.runtime.chaos_copy_engine import ChaosCopyEngine
-
-        return ChaosCopyEngine(seed)
-    if kind == "sync":
-        return SyncCopyEngine()
-    if kind == "thread":
-        from hyperpar.offload.runtime.thread_copy_engine import ThreadCopyEngine
-
-        return ThreadCopyEngine()
-    if kind == "stream":
-        if device.type == "cpu":
-            raise ValueError("copy engine 'stream' needs an accelerator device, got cpu")
-        from hyperpar.offload.runtime.stream_copy_engine import StreamCopyEngine
-
-        return StreamCopyEngine(device)
-    raise ValueError(f"copy engine must be 'auto', 'sync', 'thread', 'stream' or 'chaos[:SEED]', "
-                     f"got {kind!r}")

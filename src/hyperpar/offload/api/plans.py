@@ -1,0 +1,74 @@
+"""What a session keeps per step structure: its plans (one per size class), and the running
+fast step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hyperpar.offload.capture import ReplayProgram
+from hyperpar.offload.capture.saved_tensor_guard import Fingerprint, SavedTensorGuard
+from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
+from hyperpar.offload.ir.packed import PackedTrace
+from hyperpar.offload.ir.packed_schedule import PackedSchedule
+from hyperpar.offload.planning.floor import BudgetFloor
+
+
+@dataclass(slots=True)
+class FastStep:
+    plan: Plan
+    guard: SavedTensorGuard
+    t0: float
+
+
+@dataclass(eq=False)
+class Plan:
+    signature: int  # the structure's
+    packed: PackedTrace  # the trace and schedule, packed (objects cost several times more)
+    packed_schedule: PackedSchedule
+    program: ReplayProgram
+    predicted_ms: float
+    total_bytes: int  # of every activation, at the sizes it was planned for
+    floor: BudgetFloor
+    # the saved tensors' fingerprints of a clean checked replay of this plan, when it moves
+    # nothing: later steps may take the fast path (``capture.fast_replay``)
+    packs: tuple[Fingerprint, ...] | None = None
+
+    @property
+    def moves(self) -> bool:
+        return bool(self.program.act_code)
+
+    @property
+    def trace(self) -> ActivationTrace:
+        """As recorded: the schedule's tails (see ``planning.tails``) are not marked in it."""
+        return self.packed.unpack()
+
+    @property
+    def schedule(self) -> ResidencySchedule:
+        return self.packed_schedule.unpack()
+
+
+@dataclass(eq=False)
+class Structure:
+    keys: list[object]
+    sizes: dict[int, Plan]  # size bucket -> plan
+    last: Plan  # the plan its last step followed
+    departures: int = 0  # fast steps that departed from their plan (sizes vary here: stay checked)
+
+
+def signature_of(packed: PackedTrace, keys: list[object]) -> int:
+    """Everything replay checks (ops, inputs, outputs' dtypes and ranks, storage accesses,
+    pins), not sizes or timings: the packed structure's columns, each output shape by its rank."""
+    st = packed.structure
+    ranked: dict[tuple[object, ...], int] = {}  # output meta with ranks for shapes -> its number
+    numbers = np.array([ranked.setdefault(tuple(None if m is None else (len(m[0]), m[1]) for m in metas),
+                                          len(ranked)) for metas in st.metas], dtype=np.int64)
+    per_op = numbers[np.frombuffer(st.meta_index, dtype=np.int64)] if len(numbers) else numbers
+    return hash((
+        tuple(keys), tuple(ranked), per_op.tobytes(), st.has_guides, st.leaf_count.tobytes(),
+        st.bind_start.tobytes(), st.bind_leaf.tobytes(), st.bind_sid.tobytes(),
+        st.input_start.tobytes(), st.input_sid.tobytes(),
+        st.access_start.tobytes(), st.access_sid.tobytes(), st.access_write,
+        packed.pinned_sids,
+    ))
