@@ -30,7 +30,7 @@ def moe(doc: dict[str, Any]) -> list[Figure]:
         cells = doc["summary"].get(shape)
         if cells is None:  # (a --quick run measures one shape)
             continue
-        if "bfloat16" in cells:
+        if "moe_over_torchtitan" in cells.get("bfloat16", {}):  # (a --quick run may have no peer)
             bf = cells["bfloat16"]
             v, s = _med(bf["moe_over_torchtitan"])
             figs.append(figure(f"{shape}_bf16_over_torchtitan", v, "x",
@@ -47,6 +47,8 @@ def moe(doc: dict[str, Any]) -> list[Figure]:
                 figs.append(figure(f"{shape}_fp32_optin_over_torchtitan", v, "x",
                                    f"MoE {label}, fp32 with opt-in bf16 GEMMs: CPU time / torchtitan",
                                    page, spread=s, goal=f"<= {fp['goal_moe_over_torchtitan']}"))
+            if "moe_over_torchtitan" not in fp:  # (a --quick run without the peer)
+                continue
             v, s = _med(fp["moe_over_torchtitan"])
             figs.append(figure(f"{shape}_fp32_strict_over_torchtitan", v, "x",
                                f"MoE {label}, strict fp32 GEMMs (torchtitan: bf16): CPU time / torchtitan",

@@ -18,9 +18,8 @@ from collections import deque
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
-from hyperpar.offload.runtime.copy_rules import CopyRules, Delays, PendingCopy
+from hyperpar.offload.runtime.copy_rules import CopyRules, Delays, PendingCopy, clone, no_modes
 
 
 class FakeEvent:
@@ -138,8 +137,8 @@ class FakeStreams:
             self.rules.violate(f"a copy on {stream.name} was enqueued without waiting for the compute "
                                f"stream first (its source may not be written yet)")
         stream.synced = False
-        with _disable_current_modes():
-            snapshot = src.clone()
+        with no_modes():
+            snapshot = clone(src)
         c = PendingCopy(stream.name, stream.seq, dst, src, snapshot, dict(stream.frontier))
         stream.seq += 1
         self.copies += 1

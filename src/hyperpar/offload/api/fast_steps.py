@@ -4,8 +4,11 @@ what a departure switches to, and what the session learns from a fast or checked
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
+
+import torch
 
 from hyperpar.offload.api.plans import FastStep, Plan
 from hyperpar.offload.capture import ExecutorBase, OffloadDispatchMode, ReplayExecutor, host_reads
@@ -46,6 +49,13 @@ class FastSteps:
         hook): the rest of the step runs on the online path, within the budget."""
         fast = self._fast
         assert fast is not None
+        if threading.get_ident() != fast.thread or torch._C._current_graph_task_id() != -1:
+            # in backward, or on another thread (a forked TorchScript task): the dispatch mode
+            # cannot take over there; nothing was moved, so the step finishes as it runs
+            logger.warning("fast replay departed from its plan at saved tensor %d (%s) inside backward: "
+                           "the step finishes unchecked, and its plan is checked again next step",
+                           index, why)
+            return
         logger.info("fast replay departed from its plan at saved tensor %d (%s): the rest of the step "
                     "keeps the budget online", index, why)
         m = self._manager
@@ -67,8 +77,9 @@ class FastSteps:
                             peak_resident_bytes=plan.program.planned_peak, budget_bytes=self._budget_bytes,
                             step_ms=(time.perf_counter() - fast.t0) * 1e3,
                             predicted_step_ms=plan.predicted_ms, replay_path="fast")
-        if not fast.guard.complete():  # fewer saved tensors: it ended early (peak: the plan's, unmeasured)
-            report.departed_at_saved = fast.guard.count
+        if not fast.guard.complete():  # it ended early, or departed in backward: peak the plan's, unmeasured
+            report.departed_at_saved = (fast.guard.count if fast.guard.departed_at is None
+                                        else fast.guard.departed_at)
             plan.packs = None
             structure.departures += 1
         plan.floor.annotate(report)

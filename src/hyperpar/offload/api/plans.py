@@ -20,6 +20,7 @@ class FastStep:
     plan: Plan
     guard: SavedTensorGuard
     t0: float
+    thread: int  # the step's thread (a departure elsewhere cannot switch it to the mode)
 
 
 @dataclass(eq=False)

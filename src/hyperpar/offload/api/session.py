@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import replace
@@ -214,7 +215,7 @@ class OffloadSession(FastSteps):
         self._came_from, self._running = self._prev, plan
         if plan is not None and self._fast_ok(plan):
             guard = SavedTensorGuard(plan.packs, self._fall_back).__enter__()
-            self._fast = FastStep(plan, guard, time.perf_counter())
+            self._fast = FastStep(plan, guard, time.perf_counter(), threading.get_ident())
             return self
         if plan is not None:
             others = tuple(p.program for st in reversed(self._structures.values())

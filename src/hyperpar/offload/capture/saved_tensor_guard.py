@@ -29,14 +29,17 @@ class SavedTensorGuard:
     """``pack``/``unpack`` for ``torch.autograd.graph.saved_tensors_hooks``: records the
     fingerprints of a step's saved tensors (``expected=None``) or checks them."""
 
-    __slots__ = ("_expected", "_on_departure", "_slots", "count", "departed_at", "fingerprints", "lifted",
-                 "storages", "why")
+    __slots__ = ("_expected", "_next_slot", "_on_departure", "_slots", "count", "departed_at", "fingerprints",
+                 "lifted", "storages", "why")
 
     def __init__(self, expected: tuple[Fingerprint, ...] | None = None,
                  on_departure: Callable[[int, str], None] | None = None) -> None:
         self._expected = expected
         self._on_departure = on_departure
-        self._slots: dict[int, int] = {}  # storage address -> its slot (first seen order)
+        # storage address -> its slot (first seen order) and the storage, weakly: a storage
+        # that died may leave its address to a new one, which is another slot
+        self._slots: dict[int, tuple[int, weakref.ref]] = {}
+        self._next_slot = 0
         self.count = 0
         self.fingerprints: list[Fingerprint] = []  # recorded (record mode)
         self.storages: list[weakref.ref] = []  # each saved tensor's storage (for a fallback)
@@ -61,8 +64,15 @@ class SavedTensorGuard:
             st = t.untyped_storage()
         except (RuntimeError, NotImplementedError):  # storage-less layouts
             return (t.shape, t.dtype, -1, 0, 0)
-        self.storages.append(weakref.ref(st))
-        slot = self._slots.setdefault(st._cdata, len(self._slots))
+        ref = weakref.ref(st)
+        self.storages.append(ref)
+        known = self._slots.get(st._cdata)
+        if known is not None and known[1]() is st:
+            slot = known[0]
+        else:
+            slot = self._next_slot
+            self._next_slot = slot + 1
+            self._slots[st._cdata] = (slot, ref)
         # a leaf's version counter (and its views', which share it) carries over between
         # steps: a parameter's optimizer update
         base = t._base

@@ -22,10 +22,16 @@ import time
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
 from hyperpar.offload.runtime.copy_engine import D2H_LANE, H2D_LANE, CopySpan
-from hyperpar.offload.runtime.copy_rules import CopyRules, CopyRuleViolation, Delays, PendingCopy
+from hyperpar.offload.runtime.copy_rules import (
+    CopyRules,
+    CopyRuleViolation,
+    Delays,
+    PendingCopy,
+    clone,
+    no_modes,
+)
 
 __all__ = ["ChaosCopyEngine", "ChaosEvent", "CopyRuleViolation"]
 
@@ -152,8 +158,8 @@ class ChaosCopyEngine:
             if after is not None:  # everything ``after`` waited for, and ``after`` itself
                 frontier = dict(after.copy.frontier)
                 frontier[after.copy.lane] = max(frontier.get(after.copy.lane, -1), after.copy.seq)
-            with _disable_current_modes():  # (called between ops too: from autograd hooks)
-                snapshot = src.clone()
+            with no_modes():  # (called between ops too: from autograd hooks)
+                snapshot = clone(src)
             copy = PendingCopy(lane, self._seq, dst, src, snapshot, frontier, label,
                                (time.perf_counter() - self._origin) * 1e3)
             self._seq += 1

@@ -28,11 +28,25 @@ import random
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
 logger = logging.getLogger(__name__)
 
 POISON = 0xFF
+# The checks' own ops are no ops of a step: they run with Python dispatch (modes) excluded,
+# which, unlike popping the mode stack, also works on threads autograd or TorchScript forks.
+_NO_MODES = torch._C.DispatchKeySet(torch._C.DispatchKey.Python) | torch._C.DispatchKeySet(
+    torch._C.DispatchKey.PythonTLSSnapshot)
+
+
+def no_modes() -> torch._C._ExcludeDispatchKeyGuard:
+    return torch._C._ExcludeDispatchKeyGuard(_NO_MODES)
+
+
+def clone(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t`` now. The aten op, not ``Tensor.clone``: a session guards that method
+    against reads of its activations from other threads, and copies run wherever backward
+    does (a TorchScript fork's thread too)."""
+    return torch.ops.aten.clone.default(t)
 TIMINGS = ("mixed", "never", "instant")
 
 
@@ -115,7 +129,7 @@ class CopyRules:
 
     def issued(self, new: PendingCopy) -> None:
         """Check ``new`` against every pending copy, then poison its destination."""
-        with _disable_current_modes():  # the checks' own ops are no ops of the step
+        with no_modes():
             self._issued(new)
 
     def _issued(self, new: PendingCopy) -> None:
@@ -139,7 +153,7 @@ class CopyRules:
 
     def complete(self, c: PendingCopy) -> None:
         """The copy happens now: check what it reads and writes, then copy the bytes."""
-        with _disable_current_modes():
+        with no_modes():
             self._complete(c)
 
     def _complete(self, c: PendingCopy) -> None:
@@ -148,7 +162,7 @@ class CopyRules:
             if id(c.src) not in c.held:
                 self.violate(f"the source of copy {name} was freed before the copy was done")
         elif not c.src_guarded:
-            c.snapshot = c.src.clone()  # its bytes arrived since the issue, from the earlier copy
+            c.snapshot = clone(c.src)  # its bytes arrived since the issue, from the earlier copy
         elif not torch.equal(c.src, c.snapshot):
             self.violate(f"the source of copy {name} changed before the copy was done")
         if not _whole(c.dst):
