@@ -23,13 +23,13 @@ from typing import Any
 
 import torch
 
-from hyperpar.bench.result_file import Figure, figure, provenance, write_result
+from hyperpar.bench import headlines
+from hyperpar.bench.result_file import provenance
 from hyperpar.offload import OffloadConfig, OffloadSession
 from hyperpar.offload.ir import ActivationTrace
 from hyperpar.offload.projection import HostCosts, Projection, get_device, project
 
 log = logging.getLogger("gpu_projection")
-DOC = "docs/gpu_projection.md"
 # name -> (hidden, intermediate, heads, kv heads, traced sequence length)
 SHAPES: dict[str, tuple[int, int, int, int, int]] = {
     "llama_1b_like": (2048, 5632, 16, 16, 1024),
@@ -96,7 +96,6 @@ def main(argv: list[str] | None = None) -> int:
     device = get_device(args.device)
     host = HostCosts(args.host_us_plain, args.host_us_replay, args.host_us_warmup)
     results: dict[str, Any] = {}
-    headline: list[Figure] = []
     for name in args.shapes:
         hidden, inter, heads, kv_heads, seq = SHAPES[name]
         trace, seconds = trace_llama(hidden, inter, heads, kv_heads, seq)
@@ -111,19 +110,10 @@ def main(argv: list[str] | None = None) -> int:
                  r["plain"]["step_ms"],
                  r["warmup"]["step_ms"], r["replay"]["step_ms"], budget / 2**20,
                  r["plain"]["launch_bound_kernels"], r["kernels"])
-        short = name.removeprefix("llama_").removesuffix("_like")
-        what = f"{short}-like HF Llama layer, seq {seq}, {device.name} projection"
-        headline += [
-            figure(f"{name}: plain step", r["plain"]["step_ms"], "ms", f"{what}: plain PyTorch", DOC),
-            figure(f"{name}: session replay step", r["replay"]["step_ms"] / r["plain"]["step_ms"], "x",
-                   f"{what}: replay at {args.budget_fraction:.0%} of the peak, over plain", DOC),
-            figure(f"{name}: launch-bound kernels", 100 * r["plain"]["launch_bound_kernels"] / r["kernels"],
-                   "%", f"{what}: kernels whose plain host cost exceeds their device time", DOC),
-        ]
     doc = {"benchmark": "gpu_projection", "device": asdict(device), "host_costs_us": asdict(host),
            "host_costs_source": "CPU-measured defaults" if host == HostCosts() else "given",
            "budget_fraction": args.budget_fraction, "shapes": results}
-    write_result(Path(args.out), doc, headline, started)
+    headlines.write("gpu_projection", Path(args.out), doc, started)
     return 0
 
 

@@ -38,14 +38,14 @@ from typing import Any
 
 import torch
 
+from hyperpar.bench import headlines
 from hyperpar.bench.offload import PassThrough  # the do-nothing dispatch mode
-from hyperpar.bench.result_file import Figure, figure, provenance, write_result
+from hyperpar.bench.result_file import provenance
 from hyperpar.offload import OffloadConfig, OffloadSession
 
 MIB = 1 << 20
 WORKLOADS = ("hf-llama", "tiny-ops", "hf-gpt2", "hf-mixtral")
 BUDGETS = (1.0, 0.5, 0.2)
-DOC = "docs/architecture.md"
 Ctx = Callable[[], contextlib.AbstractContextManager[Any]]
 
 
@@ -265,26 +265,6 @@ def table(results: dict[str, dict[str, Any]], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
-def _fig(results: dict[str, dict[str, Any]], step: str, col: str, what: str,
-         goal: str | None = None) -> Figure:
-    s = results[step]["over_plain"][col]
-    return figure(f"{step}_{col}_over_plain", s["median"], "x", what, DOC, spread=(s["min"], s["max"]),
-                  goal=goal)
-
-
-def headline(results: dict[str, dict[str, Any]]) -> list[Figure]:
-    """Goals of issue 31: replay at 50 % and warmup over plain on HF Llama and tiny ops."""
-    figs = []
-    for step, replay_goal in (("hf-llama", "<= 1.3"), ("tiny-ops", "<= 1.5")):
-        if step not in results:
-            continue
-        ops = f"{results[step]['ops']:,}"
-        for col, phase, goal in (("replay_50", "replay", replay_goal), ("warmup_50", "warmup", "<= 3")):
-            what = f"{step} ({ops} ops): {phase} at 50% of the peak, CPU / plain"
-            figs.append(_fig(results, step, col, what, goal))
-    return figs
-
-
 def profile(out_dir: Path, quick: bool, steps: int = 10) -> list[Path]:
     """cProfile of ``steps`` HF Llama warmups (each a fresh session) and replays at 50 %, as text."""
     w = build("hf-llama", quick, 0)
@@ -358,11 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"what": "mechanisms" if args.mechanisms else "session phases", "quick": args.quick, "reps": reps,
            "warmup_reps": None if args.mechanisms else warmup_reps, "tiny_layers": args.tiny_layers,
            "steps": results, "table": text}
-    figs = [] if args.mechanisms else headline(results)
-    if args.mechanisms and "hf-llama" in results:
-        figs = [_fig(results, "hf-llama", k, f"hf-llama: {k.replace('_', ' ')}, CPU / plain")
-                for k in MECHANISMS]
-    write_result(out, doc, figs, started)
+    headlines.write("host_cost_mechanisms" if args.mechanisms else "host_cost", out, doc, started)
     print(f"wrote {out}")
     return 0
 

@@ -53,3 +53,19 @@ def test_write_result_records_provenance_and_headline(tmp_path: Path) -> None:
     assert prov["command"] == "bench x" and prov["converted"] is False
     assert {"cpu_model", "cores", "torch_threads"} <= prov["machine"].keys()
     assert back["headline"][0]["spread"] == [1.0, 2.0]
+
+
+def test_every_cited_key_exists_in_its_result_file() -> None:
+    assert results_table.bad_citations(ROOT) == []
+
+
+def test_a_citation_of_a_missing_key_is_reported(tmp_path: Path) -> None:
+    shutil.copytree(ROOT / "benchmarks" / "results", tmp_path / "benchmarks" / "results")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "x.md").write_text(
+        "ok `variable_lengths.json: random_over_fixed`, `variable_lengths.json: at_step.300.held_mib`,\n"
+        "`host_cost.json: steps.tiny-ops.over_plain.replay_50.median`; bad `variable_lengths.json: nope`,\n"
+        "`variable_lengths.json: at_step.9999`, `missing.json: x`\n")
+    assert results_table.bad_citations(tmp_path) == [
+        "docs/x.md: `variable_lengths.json: nope`", "docs/x.md: `variable_lengths.json: at_step.9999`",
+        "docs/x.md: `missing.json: x`"]

@@ -27,7 +27,8 @@ CHEAP = {  # stem -> arguments of a run that takes a few seconds
     "host_pool": ["-m", "hyperpar.bench.host_pool", "--steps", "20", "--session-steps", "3"],
 }
 EXPENSIVE = ("moe", "compile", "variable_lengths", "variable_shapes_models", "fuzz_failures",
-             "multicore_hang_paths", "warmup_budget", "planner", "offload")
+             "multicore_hang_paths", "warmup_budget", "planner", "offload", "host_cost",
+             "host_cost_mechanisms", "gpu_projection")
 
 
 def _names(stem: str, doc: dict[str, Any]) -> list[str]:

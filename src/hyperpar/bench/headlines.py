@@ -255,13 +255,59 @@ def host_pool(doc: dict[str, Any]) -> list[Figure]:
     return figs
 
 
+def _over_plain(step: str, r: dict[str, Any], col: str, what: str, page: str,
+                goal: str | None = None) -> Figure:
+    s = r["over_plain"][col]
+    return figure(f"{step}_{col}_over_plain", s["median"], "x", what, page, spread=(s["min"], s["max"]),
+                  goal=goal)
+
+
+def host_cost(doc: dict[str, Any]) -> list[Figure]:
+    """Issue 31's goals: replay at 50 % and warmup over plain on HF Llama and tiny ops (CPU)."""
+    page, steps, figs = "docs/architecture.md", doc["steps"], []
+    for step, replay_goal in (("hf-llama", "<= 1.3"), ("tiny-ops", "<= 1.5")):
+        if step not in steps:
+            continue
+        for col, phase, goal in (("replay_50", "replay", replay_goal), ("warmup_50", "warmup", "<= 3")):
+            what = f"{step} ({steps[step]['ops']:,} ops): {phase} at 50% of the peak, CPU / plain"
+            figs.append(_over_plain(step, steps[step], col, what, page, goal))
+    return figs
+
+
+def host_cost_mechanisms(doc: dict[str, Any]) -> list[Figure]:
+    """What each interception mechanism alone costs on HF Llama, CPU over plain."""
+    r = doc["steps"].get("hf-llama")
+    if r is None:
+        return []
+    page = "docs/architecture.md"
+    return [_over_plain("hf-llama", r, k, f"hf-llama: {k.replace('_', ' ')}, CPU / plain", page)
+            for k in r["over_plain"]]
+
+
+def gpu_projection(doc: dict[str, Any]) -> list[Figure]:
+    """Projected GPU step time of plain and replay, and the launch-bound share, per shape."""
+    page, device, frac, figs = "docs/gpu_projection.md", doc["device"]["name"], doc["budget_fraction"], []
+    for name, r in doc["shapes"].items():
+        short = name.removeprefix("llama_").removesuffix("_like")
+        what = f"{short}-like HF Llama layer, seq {r['seq']}, {device} projection"
+        figs += [
+            figure(f"{name}: plain step", r["plain"]["step_ms"], "ms", f"{what}: plain PyTorch", page),
+            figure(f"{name}: session replay step", r["replay"]["step_ms"] / r["plain"]["step_ms"], "x",
+                   f"{what}: replay at {frac:.0%} of the peak, over plain", page),
+            figure(f"{name}: launch-bound kernels", 100 * r["plain"]["launch_bound_kernels"] / r["kernels"],
+                   "%", f"{what}: kernels whose plain host cost exceeds their device time", page),
+        ]
+    return figs
+
+
 HEADLINES: dict[str, Callable[[dict[str, Any]], list[Figure]]] = {
     "moe": moe, "offload": offload, "planner": planner, "variable_lengths": variable_lengths,
     "variable_shapes_models": variable_shapes_models, "compile": compile_in_session,
     "multicore_hang_paths": multicore_hang_paths, "fuzz_failures": fuzz_failures,
     "replay_instructions": replay_instructions, "replay_overhead_cpu": replay_overhead_cpu,
     "tiny_ops": tiny_ops, "warmup_budget": warmup_budget, "grown_steps": grown_steps,
-    "host_pool": host_pool, "replay_overhead": replay_overhead,
+    "host_pool": host_pool, "replay_overhead": replay_overhead, "host_cost": host_cost,
+    "host_cost_mechanisms": host_cost_mechanisms, "gpu_projection": gpu_projection,
 }
 
 

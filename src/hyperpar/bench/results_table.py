@@ -23,7 +23,8 @@ RESULTS = Path("benchmarks/results")
 PAGES = ("README.md", "docs/*.md")
 README_ORDER = ("moe", "offload", "planner", "variable_lengths", "variable_shapes_models", "compile",
                 "multicore_hang_paths", "fuzz_failures", "replay_instructions",
-                "replay_overhead_cpu", "tiny_ops", "warmup_budget", "grown_steps")
+                "replay_overhead_cpu", "tiny_ops", "warmup_budget", "grown_steps", "host_cost",
+                "gpu_projection")
 HEADER = ("| what was measured | value [spread] | goal | command | machine, date | detail |\n"
           "|---|---|---|---|---|---|")
 _BLOCK = re.compile(r"(<!-- results(?::(?P<stem>[\w.-]+))?:begin -->\n)(?P<body>.*?)"
@@ -150,3 +151,38 @@ def check(root: Path) -> list[Difference]:
             diffs += [Difference(page, f"unexpected: {line[:60]}") for line in m["body"].splitlines()
                       if line.strip() and line not in wanted]
     return diffs
+
+
+_CITATION = re.compile(r"`(?P<file>[\w.-]+\.json): (?P<key>[^`]+)`")
+
+
+def _resolve(node: Any, path: str) -> bool:
+    """Whether dotted ``path`` names something in ``node``; a key may itself hold dots."""
+    if not path:
+        return True
+    if isinstance(node, list):
+        head, _, rest = path.partition(".")
+        return head.isdigit() and int(head) < len(node) and _resolve(node[int(head)], rest)
+    if not isinstance(node, dict):
+        return False
+    parts = path.split(".")
+    return any(".".join(parts[:i]) in node and _resolve(node[".".join(parts[:i])], ".".join(parts[i:]))
+               for i in range(len(parts), 0, -1))
+
+
+def bad_citations(root: Path) -> list[str]:
+    """Citations ``name.json: key`` on the pages whose key is neither a headline name of
+    ``benchmarks/results/name.json`` nor a dotted path into it (or whose file is missing)."""
+    bad, docs = [], {}
+    for path in _pages(root):
+        page = path.relative_to(root).as_posix()
+        for m in _CITATION.finditer(path.read_text()):
+            name, key = m["file"], m["key"].strip()
+            if name not in docs:
+                file = root / RESULTS / name
+                docs[name] = json.loads(file.read_text()) if file.exists() else None
+            doc = docs[name]
+            names = {f["name"] for f in doc.get("headline", [])} if isinstance(doc, dict) else set()
+            if doc is None or (key not in names and not _resolve(doc, key)):
+                bad.append(f"{page}: `{name}: {key}`")
+    return bad

@@ -12,7 +12,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--root", type=Path, default=Path("."),
                         help="repository root holding README.md, docs/ and benchmarks/results/")
     parser.add_argument("--check", action="store_true",
-                        help="change nothing; exit 1 naming each row that differs from the JSON")
+                        help="change nothing; exit 1 naming each row that differs from the JSON "
+                             "and each cited `name.json: key` that the file does not hold")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -26,6 +27,10 @@ def run(args: argparse.Namespace) -> int:
         print(diff)
     if diffs:
         print(f"re-render with: python -m hyperpar bench table --root {args.root}")
+    bad = results_table.bad_citations(root)
+    for cite in bad:
+        print(f"{cite}: no such key in benchmarks/results")
+    if diffs or bad:
         return 1
-    print("results tables match benchmarks/results")
+    print("results tables match benchmarks/results, and every cited key exists")
     return 0
