@@ -57,6 +57,8 @@ def moe(doc: dict[str, Any]) -> list[Figure]:
         figs.append(figure(f"grouped_over_loop_{dtype}", cell["grouped_over_loop"], "x",
                            f"grouped expert GEMM / per-expert loop, {dtype}", page))
     for shape, st in doc.get("stack", {}).items():
+        if "moe_over_torchtitan" not in st:  # (a --quick run without the peer)
+            continue
         figs.append(figure(f"{shape}_{st['layers']}_layers_over_torchtitan", st["moe_over_torchtitan"], "x",
                            f"{st['layers']} serial {st['dtype']} MoE layers sharing one workspace ({shape}): "
                            f"CPU time / torchtitan", page))

@@ -13,7 +13,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="repository root holding README.md, docs/ and benchmarks/results/")
     parser.add_argument("--check", action="store_true",
                         help="change nothing; exit 1 naming each row that differs from the JSON "
-                             "and each cited `name.json: key` that the file does not hold")
+                             "and each cited 'name.json: key' that the file does not hold")
 
 
 def run(args: argparse.Namespace) -> int:
