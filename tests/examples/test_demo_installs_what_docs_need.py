@@ -63,3 +63,16 @@ def test_the_demo_installs_every_extra_a_documented_command_needs() -> None:
 def test_the_mixtral_example_is_seen_to_need_hf() -> None:
     """The check itself can fail: the example README runs with torchrun imports transformers."""
     assert "hf" in needed_extras(".venv/bin/torchrun --nproc-per-node 2 examples/moe_hf_mixtral.py")
+
+
+def test_the_demo_installs_what_the_suite_runs_the_readme_blocks_in() -> None:
+    """The documented-commands test runs every README block (at a tiny size) in the venv
+    scripts/test.sh makes; the demo's set-up installs the same set, so those runs stand for
+    runs after the demo alone."""
+    def install_line(script: str) -> str:
+        lines = [line.strip() for line in (ROOT / "scripts" / script).read_text().splitlines()
+                 if "pip install" in line and "-e" in line]
+        assert len(lines) == 1, (script, lines)
+        return lines[0]
+
+    assert install_line("demo.sh") == install_line("test.sh")
