@@ -158,7 +158,11 @@ class ExecutorBase(OnlinePath):
 
     def finish(self, clean: bool, step_ms: float) -> tuple[StepReport, Exception | None]:
         """Page every live storage back in; returns the report and an error to raise, if any."""
-        raise NotImplementedError
+        self.closed = True
+        self.release_region_graphs()
+        with internal(self):
+            self.manager.restore_all()
+        return self.report(step_ms), None
 
 
 class _Raised:

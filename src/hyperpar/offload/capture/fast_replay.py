@@ -64,8 +64,5 @@ class FallbackExecutor(ExecutorBase):
     def end_opaque(self, token: Any, outputs: list[Tensor]) -> None:
         self.online_end_opaque(token, outputs)
 
-    def finish(self, clean: bool, step_ms: float) -> tuple[StepReport, Exception | None]:
-        self.closed = True
-        self.release_region_graphs()
-        self.manager.restore_all()
-        return self.report(step_ms, departed_at_saved=self.departed_at, replay_path="fallback"), None
+    def report(self, step_ms: float, **extra: Any) -> StepReport:
+        return super().report(step_ms, departed_at_saved=self.departed_at, replay_path="fallback", **extra)

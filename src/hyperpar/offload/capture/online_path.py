@@ -86,7 +86,7 @@ class OnlinePath:
         return self.table.live_bytes - self.manager.away_bytes + self.manager.pending_bytes
 
     def note_peak(self, op: int) -> None:
-        resident = self.table.live_bytes - self.manager.away_bytes + self.manager.pending_bytes
+        resident = self.resident_bytes()
         if resident > self.peak_bytes:
             self.peak_bytes, self.peak_op = resident, op
 
@@ -317,7 +317,7 @@ class OnlinePath:
         issued; if their copies leave the device over ``target``, wait for the oldest."""
         m, table, heap = self.manager, self.table, self._heap
         limit = self.budget_bytes if target is None else target
-        if table.live_bytes - m.away_bytes + m.pending_bytes <= limit:
+        if self.resident_bytes() <= limit:
             return
         skipped = []
         entries, pinned = m.entries, table.pinned
@@ -344,7 +344,7 @@ class OnlinePath:
                 entry.evictable = False  # host pool at its cap, or a non-resizable storage
         for item in skipped:
             heapq.heappush(heap, item)
-        over = table.live_bytes - m.away_bytes + m.pending_bytes - limit
+        over = self.resident_bytes() - limit
         if over > 0 and m.pending_bytes:  # releases whose copies still read their bytes: wait
             m.free_pending_until(over)
 

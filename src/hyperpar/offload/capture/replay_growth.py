@@ -45,7 +45,7 @@ class ReplayGrowth(ReplayState):
 
     def _note_resident(self, i: int) -> bool:
         """Update the step's peak; whether it holds more than its limit."""
-        resident = self.table.live_bytes - self.manager.away_bytes + self.manager.pending_bytes
+        resident = self.resident_bytes()
         if resident > self.peak_bytes:
             self.peak_bytes, self.peak_op = resident, i
             if not self._careful and resident > self.program.planned_resident[i] + SLACK_BYTES:

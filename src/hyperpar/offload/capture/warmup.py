@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch._ops import OpOverload
 
-from hyperpar.offload.capture.executor_base import ExecutorBase, internal
+from hyperpar.offload.capture.executor_base import ExecutorBase
 from hyperpar.offload.capture.online_path import OpState
 from hyperpar.offload.capture.op_args import mutates, nested_tensors, output_leaves
 from hyperpar.offload.capture.op_identity import DTYPE_NAMES, PLAIN, dtype_name, op_kind, op_name
@@ -32,7 +32,6 @@ from hyperpar.offload.ir import AccessKind, ActivationTrace
 from hyperpar.offload.ir.guide import NOT_ACTIVATION
 from hyperpar.offload.ir.packed import PackedTrace
 from hyperpar.offload.ir.packed_view import trace_view
-from hyperpar.offload.ir.report import StepReport
 from hyperpar.offload.ir.trace_columns import TraceColumns
 from hyperpar.offload.runtime import ResidencyManager
 
@@ -222,13 +221,6 @@ class WarmupExecutor(ExecutorBase):
 
     def end_opaque(self, token: OpState, outputs: list[torch.Tensor]) -> None:
         self.online_end_opaque(token, outputs)
-
-    def finish(self, clean: bool, step_ms: float) -> tuple[StepReport, Exception | None]:
-        self.closed = True
-        self.release_region_graphs()
-        with internal(self):
-            self.manager.restore_all()
-        return self.report(step_ms), None
 
     def build_trace(self, d2h_gbps: float, h2d_gbps: float) -> ActivationTrace:
         """Call after finish(): storages still alive are retained. Ops and guides are made

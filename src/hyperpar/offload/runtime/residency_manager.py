@@ -390,13 +390,12 @@ class ResidencyManager:
         whether it is alive at a given moment would otherwise depend on copy timing."""
         if not self._async:
             return
-        finish = getattr(self.engine, "finish", None) or self.engine.wait
         for st in storages:
             entry = self.lookup(st)
             if entry is not None:
                 for event in (entry.d2h_event, entry.h2d_event):
                     if event is not None and not self.engine.is_done(event):
-                        finish(event)
+                        self._finish(event)
         self.engine.poll()
 
     def free_pending_until(self, excess: int) -> None:
@@ -408,10 +407,14 @@ class ResidencyManager:
             if excess <= 0:
                 break
             if entry.free_pending:
-                finish = getattr(self.engine, "finish", None) or self.engine.wait  # (an older engine object)
-                finish(entry.d2h_event)
+                self._finish(entry.d2h_event)
                 excess -= entry.nbytes
         self.reap()
+
+    def _finish(self, event: Any) -> None:
+        """The host waits for the copy (an engine object without ``finish``: its ``wait``)."""
+        finish = getattr(self.engine, "finish", None)
+        (finish or self.engine.wait)(event)
 
     # --- end of step ----------------------------------------------------------------
     def restore_all(self) -> None:
