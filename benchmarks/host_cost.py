@@ -151,8 +151,10 @@ def measure(w: Workload, reps: int, warmup_reps: int) -> dict[str, Any]:
     ops, peak = probe(w)
     sessions = {f"replay_{round(f * 100)}": _session(peak * f) for f in BUDGETS}
     for session in sessions.values():
-        for _ in range(3):  # warmup, then replays: the timed steps are steady replays
-            w.run(_fixed(session))
+        for step in range(12):  # warmup, then replays until the fast path (or 12 steps): the
+            w.run(_fixed(session))  # timed steps are steady replays
+            if step >= 2 and session.last_report is not None and session.last_report.replay_path == "fast":
+                break
     plain, ratios = _interleaved(w, {k: _fixed(s) for k, s in sessions.items()}, reps)
     floors = {}
     for key, session in sessions.items():
@@ -160,7 +162,8 @@ def measure(w: Workload, reps: int, warmup_reps: int) -> dict[str, Any]:
         assert report is not None and report.phase == "replay" and report.diverged_at is None, (w.name, key)
         floors[key] = {"budget_bytes": report.budget_bytes, "peak_resident_bytes": report.peak_resident_bytes,
                        "min_feasible_budget_bytes": report.min_feasible_budget_bytes,
-                       "bytes_d2h": report.bytes_d2h}
+                       "bytes_d2h": report.bytes_d2h, "replay_path": report.replay_path,
+                       "fast_refusal": None if session._running is None else session._running.fast_refusal}
     warm_plain, warm = [], []
     for _ in range(warmup_reps):  # each warmup needs a fresh session
         p = _cpu(w, None)

@@ -100,7 +100,7 @@ def run_equality(case: Case, fractions: tuple[float, ...] = FRACTIONS, replays: 
             assert session.last_report.phase == ("warmup" if step == 0 else "replay"), where
             assert session.last_report.diverged_at is None, where
             # The plan brings back everything before it is read: no synchronous page-in at replay.
-            assert step == 0 or session.last_report.demand_faults == 0, where
+            assert step == 0 or session.last_report.demand_faults == 0, (where, session.last_report)
             assert session.tracked_storages() == 0, where
             _assert_same(plain, off, loss_a, loss_b, where)
             _update(plain)

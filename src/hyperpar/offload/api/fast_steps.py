@@ -6,18 +6,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from hyperpar.offload.api.plans import FastStep, Plan
 from hyperpar.offload.capture import ExecutorBase, OffloadDispatchMode, ReplayExecutor, host_reads
+from hyperpar.offload.capture.fast_moves import EventLog, MoveSchedule, MovingStep, Refusal
 from hyperpar.offload.capture.fast_replay import FallbackExecutor
 from hyperpar.offload.capture.saved_tensor_guard import SavedTensorGuard
 from hyperpar.offload.ir.report import StepReport
 
 logger = logging.getLogger("hyperpar.offload.api.session")
 
+MAX_REFINEMENTS = 5  # re-plans of a plan, each keeping more storages on the device for the fast path
 FAST_DEPARTURES = 2  # fast steps of a structure that departed, after which it stays checked
 
 
@@ -25,6 +28,7 @@ class FastSteps:
     """Mixed into ``OffloadSession`` (its attributes are the session's)."""
 
     _structures: Any
+    _plan: Any
     _budget_bytes: int
     _manager: Any
     _executor: Any
@@ -37,9 +41,11 @@ class FastSteps:
     last_report: StepReport | None
 
     def _fast_ok(self, plan: Plan) -> bool:
-        """Whether the step may take the fast path: a plan that moves nothing within the
-        budget, with the saved tensors of a clean checked replay to compare against."""
-        return (self.config.fast_replay and bool(plan.packs) and not plan.moves
+        """Whether the step may take the fast path: a plan within the budget whose moves (if
+        any) run at saved-tensor events, with the saved tensors of a clean checked replay to
+        compare against."""
+        return (self.config.fast_replay and bool(plan.packs)
+                and (not plan.moves or plan.move_schedule is not None)
                 and not plan.program.region_accesses
                 and plan.program.planned_peak <= self._budget_bytes
                 and self._structures[plan.signature].departures < FAST_DEPARTURES)
@@ -60,6 +66,8 @@ class FastSteps:
                     "keeps the budget online", index, why)
         m = self._manager
         executor = FallbackExecutor(m, self.device, self._budget_bytes, index, why, fast.guard.storages)
+        if fast.moving is not None:  # Python held storages the plan released: plan with them kept
+            executor.held_bytes, executor.held_sids = fast.moving.held_past_release, fast.moving.held_sids
         m.describe_op = executor.describe_op
         self._executor = executor
         self._mode = OffloadDispatchMode(executor, self)
@@ -67,8 +75,21 @@ class FastSteps:
         m.engine.begin_step()
         self._mode.__enter__()
 
+    def _start_fast(self, plan: Plan) -> None:
+        moving = None
+        if plan.moves:
+            assert plan.move_schedule is not None
+            moving = MovingStep(plan.move_schedule, self._manager.engine, self._manager.pool, self.device,
+                                self._budget_bytes)
+            self._manager.engine.begin_step()
+        guard = SavedTensorGuard(plan.packs, self._fall_back, moving=moving).__enter__()
+        self._fast = FastStep(plan, guard, time.perf_counter(), threading.get_ident(), moving)
+
     def _exit_fast(self, fast: FastStep, clean: bool) -> None:
         """A fast step that needed no fallback: its report, and what the session learns."""
+        moving = fast.moving
+        if moving is not None:
+            self._manager.engine.end_step()
         if not clean:
             return
         plan = fast.plan
@@ -77,16 +98,32 @@ class FastSteps:
                             peak_resident_bytes=plan.program.planned_peak, budget_bytes=self._budget_bytes,
                             step_ms=(time.perf_counter() - fast.t0) * 1e3,
                             predicted_step_ms=plan.predicted_ms, replay_path="fast")
-        if not fast.guard.complete():  # it ended early, or departed in backward: peak the plan's, unmeasured
+        if moving is not None:
+            report.bytes_d2h, report.bytes_h2d = moving.bytes_d2h, moving.bytes_h2d
+            report.demand_faults = moving.demand_faults
+            report.exposed_wait_ms = self._manager.engine.exposed_wait_ms()
+        held = moving.held_past_release if moving is not None else 0
+        if moving is not None:  # Python held bytes the plan released: what the plan had, plus those
+            report.peak_resident_bytes = max(report.peak_resident_bytes, moving.worst)
+            report.held_past_release_bytes = held
+        if not fast.guard.complete():  # it ended early or departed in backward: peak unmeasured
             report.departed_at_saved = (fast.guard.count if fast.guard.departed_at is None
                                         else fast.guard.departed_at)
+        if not fast.guard.complete() or held:  # checked again next time
             plan.packs = None
-            structure.departures += 1
         plan.floor.annotate(report)
         self._structures.move_to_end(plan.signature)
         structure.last = plan
         self._learn(plan.signature)
         self._current = plan
+        if held and fast.guard.complete() and self._refine(plan, moving.held_sids):  # type: ignore[union-attr]
+            logger.info("fast replay: %d bytes the plan released were still held by Python at the end of "
+                        "forward; planned again with them kept", held)
+        elif not fast.guard.complete() or held:
+            if held:
+                logger.info("fast replay: %d bytes the plan released were still held by Python at the end "
+                            "of forward; the plan is checked again", held)
+            structure.departures += 1
         self.phase = "replay"
         self.last_report = report
 
@@ -95,7 +132,9 @@ class FastSteps:
         plan = self._running
         assert plan is not None
         plan.packs = None
-        self._structures[plan.signature].departures += 1
+        report.held_past_release_bytes = executor.held_bytes
+        if not (executor.held_sids and self._refine(plan, executor.held_sids)):
+            self._structures[plan.signature].departures += 1
         self.phase = "warmup" if self._choose() is None else "replay"
         self.last_report = report
 
@@ -103,7 +142,60 @@ class FastSteps:
         """A checked replay that followed its plan to the end: its saved tensors are what a
         fast step of that plan must save."""
         plan = self._running
-        if (isinstance(executor, ReplayExecutor) and plan is not None and executor.diverged_at is None
-                and executor.program is plan.program and not plan.moves and recorder.count
-                and not recorder.lifted):
-            plan.packs = tuple(recorder.fingerprints)
+        if not (isinstance(executor, ReplayExecutor) and plan is not None and executor.diverged_at is None
+                and executor.program is plan.program and recorder.count and not recorder.lifted):
+            return
+        if plan.moves:
+            if recorder.log is None:
+                return
+            schedule = MoveSchedule.build(recorder.log, plan.program)
+            if isinstance(schedule, Refusal):
+                plan.fast_refusal = schedule.why
+                if not self._refine(plan, schedule.sids):
+                    logger.debug("this plan keeps the checked replay: %s", schedule.why)
+                return
+            plan.move_schedule = schedule
+        plan.packs = tuple(recorder.fingerprints)
+
+    def _refine(self, plan: Plan, keep: frozenset[int]) -> bool:
+        """Plan the same trace again with ``keep`` on the device, for a plan the fast path can
+        run; the new plan replaces ``plan`` when its peak is no higher (its next step is a
+        checked replay, which may refine it once more) when it keeps the budget."""
+        structure = self._structures.get(plan.signature)
+        if (structure is None or plan.refinements >= MAX_REFINEMENTS
+                or plan.program.planned_peak > self._budget_bytes):
+            return False
+        trace = plan.trace
+        trace = replace(trace, pinned_sids=trace.pinned_sids | keep)
+        new = self._plan(plan.signature, trace, structure.keys, plan.program, quiet=True)
+        if new.program.planned_peak > self._budget_bytes or new.floor.floor_bytes > self._budget_bytes:
+            logger.debug("keeping %d storage(s) on the device for the fast path would exceed the budget: "
+                         "the plan stays checked (%s)", len(keep), plan.fast_refusal)
+            plan.refinements = MAX_REFINEMENTS
+            return False
+        new.refinements = plan.refinements + 1
+        new.kept_for_fast = plan.kept_for_fast | keep
+        new.floor = plan.floor  # the user's floor: the pins are the fast path's, not the step's
+        for bucket, p in list(structure.sizes.items()):
+            if p is plan:
+                structure.sizes[bucket] = new
+        if structure.last is plan:
+            structure.last = new
+        if self._current is plan:
+            self._current = new
+        return True
+
+    def _event_log(self, executor: ExecutorBase) -> EventLog | None:
+        """For a checked replay of a plan that moves bytes: where its saved-tensor events fall."""
+        plan = self._running
+        if not (isinstance(executor, ReplayExecutor) and plan is not None and plan.moves):
+            return None
+        table = executor.table
+        sid_of, nbytes = table.sid_of, table.nbytes
+        engine = self._manager.engine
+
+        def settle() -> None:
+            engine.synchronize()
+            engine.poll()
+
+        return EventLog(lambda: executor.index, lambda st: sid_of.get(id(st), -1), nbytes.__getitem__, settle)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hyperpar.offload.capture import ReplayProgram
+from hyperpar.offload.capture.fast_moves import MoveSchedule, MovingStep
 from hyperpar.offload.capture.saved_tensor_guard import Fingerprint, SavedTensorGuard
 from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
 from hyperpar.offload.ir.packed import PackedTrace
@@ -21,6 +22,7 @@ class FastStep:
     guard: SavedTensorGuard
     t0: float
     thread: int  # the step's thread (a departure elsewhere cannot switch it to the mode)
+    moving: MovingStep | None = None  # the plan's moves at saved-tensor events (a plan that moves bytes)
 
 
 @dataclass(eq=False)
@@ -32,9 +34,14 @@ class Plan:
     predicted_ms: float
     total_bytes: int  # of every activation, at the sizes it was planned for
     floor: BudgetFloor
-    # the saved tensors' fingerprints of a clean checked replay of this plan, when it moves
-    # nothing: later steps may take the fast path (``capture.fast_replay``)
+    # the saved tensors' fingerprints of a clean checked replay of this plan: later steps may
+    # take the fast path (``capture.fast_replay``); a plan that moves bytes needs its moves at
+    # saved-tensor events too (``capture.fast_moves``), else ``fast_refusal`` says why not
     packs: tuple[Fingerprint, ...] | None = None
+    move_schedule: MoveSchedule | None = None
+    fast_refusal: str | None = None
+    refinements: int = 0  # re-plans that kept storages on the device for the fast path
+    kept_for_fast: frozenset[int] = frozenset()  # the storages those re-plans kept
 
     @property
     def moves(self) -> bool:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 from collections import OrderedDict
 from dataclasses import replace
@@ -214,8 +213,7 @@ class OffloadSession(FastSteps):
         plan = self._choose()
         self._came_from, self._running = self._prev, plan
         if plan is not None and self._fast_ok(plan):
-            guard = SavedTensorGuard(plan.packs, self._fall_back).__enter__()
-            self._fast = FastStep(plan, guard, time.perf_counter(), threading.get_ident())
+            self._start_fast(plan)
             return self
         if plan is not None:
             others = tuple(p.program for st in reversed(self._structures.values())
@@ -238,7 +236,8 @@ class OffloadSession(FastSteps):
         self._t0 = time.perf_counter()
         self._mode.__enter__()
         if self.config.fast_replay:  # on every step (saved-tensor hooks change the ops autograd
-            self._packs = SavedTensorGuard().__enter__()  # runs: no ``detach`` per saved output)
+            self._packs = SavedTensorGuard(log=self._event_log(executor)).__enter__()  # runs: no
+            # ``detach`` per saved output)
         if isinstance(executor, WarmupExecutor):
             gc_pause.hold()  # the trace is many small acyclic objects: collect after the step
         return self
@@ -249,6 +248,8 @@ class OffloadSession(FastSteps):
         self._fast = self._packs = None
         if fast is not None:
             fast.guard.__exit__()
+            if fast.moving is not None:
+                fast.moving.finish()
             if self._executor is None:  # followed its plan (or failed) without a fallback
                 self._exit_fast(fast, exc_type is None)
                 return False
@@ -266,9 +267,9 @@ class OffloadSession(FastSteps):
             self._manager.engine.end_step()
             report.exposed_wait_ms = self._manager.engine.exposed_wait_ms()
             if clean:
+                self._after_clean_step(executor, report)
                 if packs is not None:
                     self._learn_packs(executor, packs)
-                self._after_clean_step(executor, report)
             elif isinstance(exc, OffloadDivergenceError) and isinstance(executor, ReplayExecutor):
                 self._forget_successor()  # on_divergence="raise": trace this step's kind next time
         except BaseException as cleanup_error:
@@ -428,8 +429,9 @@ class OffloadSession(FastSteps):
 
     def _plan(self, signature: int, trace: ActivationTrace, keys: list[object],
               structure: ReplayProgram | None, packed: PackedTrace | None = None,
-              arrays: TraceArrays | None = None) -> Plan:
-        """``packed``: the trace packed already (and ``arrays``, its arrays), else packed here."""
+              arrays: TraceArrays | None = None, quiet: bool = False) -> Plan:
+        """``packed``: the trace packed already (and ``arrays``, its arrays), else packed here;
+        ``quiet``: no word on a budget below this trace's floor (a re-plan with more pinned)."""
         from hyperpar.offload.planning import simulate  # planning sits beside capture
         from hyperpar.offload.planning.prediction import kept_simulation, simulations_kept
 
@@ -445,7 +447,7 @@ class OffloadSession(FastSteps):
         with arrays_given(trace, arrays):
             floor = budget_floor(trace)
         below_floor = floor.floor_bytes > trace.memory_limit_bytes
-        if below_floor and not self._said_below_floor:  # said once per session, the planners stay quiet
+        if below_floor and not self._said_below_floor and not quiet:  # said once per session
             logger.warning("%s", floor.below_floor_message(trace.memory_limit_bytes))
             self._said_below_floor = True
 
@@ -455,7 +457,7 @@ class OffloadSession(FastSteps):
                 return schedule, kept_simulation(sims, schedule) or simulate(trace, schedule)
 
         # the plan's trace may mark tails; ``packed`` keeps the recorded one
-        with deficit_warnings_muted() if below_floor else contextlib.nullcontext():
+        with deficit_warnings_muted() if below_floor or quiet else contextlib.nullcontext():
             trace, schedule, sim = plan_with_tails(trace, arrays, plan_once)
         predicted = schedule.notes.get("predicted_step_ms")
         if not isinstance(predicted, (int, float)) or isinstance(predicted, bool):

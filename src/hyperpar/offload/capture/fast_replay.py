@@ -45,6 +45,8 @@ class FallbackExecutor(ExecutorBase):
         super().__init__(manager, device, budget_bytes)
         self.departed_at = departed_at
         self.why = why
+        self.held_bytes = 0  # released storages Python still held (the fast path's moves)
+        self.held_sids: frozenset[int] = frozenset()
         table, seen = self.table, set()
         for k, ref in enumerate(storages):  # producers before op 0, oldest first (evicted first)
             st = ref()

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from hyperpar.offload.capture.fast_moves import EventLog, MovingStep, checked_version
+
 Tensor = torch.Tensor
 Fingerprint = tuple[Any, ...]
 
@@ -30,26 +32,35 @@ class SavedTensorGuard:
     fingerprints of a step's saved tensors (``expected=None``) or checks them."""
 
     __slots__ = ("_expected", "_next_slot", "_on_departure", "_slots", "count", "departed_at", "fingerprints",
-                 "lifted", "storages", "why")
+                 "lifted", "log", "moving", "storages", "unpack", "why")
 
     def __init__(self, expected: tuple[Fingerprint, ...] | None = None,
-                 on_departure: Callable[[int, str], None] | None = None) -> None:
+                 on_departure: Callable[[int, str], None] | None = None, *,
+                 log: EventLog | None = None, moving: MovingStep | None = None) -> None:
+        """``log``: record where each pack and unpack falls (a checked replay of a plan that
+        moves bytes); ``moving``: run that plan's moves at those events (a fast step)."""
         self._expected = expected
         self._on_departure = on_departure
+        self.log, self.moving = log, moving
+        if moving is not None:
+            moving.on_held = self._held
+        self.unpack: Callable[[Any], Tensor] = (
+            moving.unpack if moving is not None else self._logged_unpack if log is not None else _unpack)
         # storage address -> its slot (first seen order) and the storage, weakly: a storage
         # that died may leave its address to a new one, which is another slot
         self._slots: dict[int, tuple[int, weakref.ref]] = {}
         self._next_slot = 0
         self.count = 0
         self.fingerprints: list[Fingerprint] = []  # recorded (record mode)
-        self.storages: list[weakref.ref] = []  # each saved tensor's storage (for a fallback)
+        # the saved non-leaf tensors' storages, first seen first (a fallback's activations)
+        self.storages: list[weakref.ref] = []
         self.departed_at: int | None = None
         self.why = ""
         self.lifted = False  # something disabled saved-tensor hooks (torch.func): not all were seen
 
     def __enter__(self) -> SavedTensorGuard:
         _install()
-        torch._C._autograd._push_saved_tensors_default_hooks(self.pack, _unpack)
+        torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
         _local.guards.append(self)
         return self
 
@@ -64,35 +75,62 @@ class SavedTensorGuard:
             st = t.untyped_storage()
         except (RuntimeError, NotImplementedError):  # storage-less layouts
             return (t.shape, t.dtype, -1, 0, 0)
-        ref = weakref.ref(st)
-        self.storages.append(ref)
-        known = self._slots.get(st._cdata)
+        # a Python storage object lives as long as its storage (torch preserves it), so its
+        # id names it while it lives; the weak reference tells a new one at a dead one's id
+        known = self._slots.get(id(st))
         if known is not None and known[1]() is st:
             slot = known[0]
         else:
+            ref = weakref.ref(st)
+            base = t._base
+            if not (t.is_leaf or (base is not None and base.is_leaf)):  # parameters and inputs are not
+                self.storages.append(ref)  # the step's activations
             slot = self._next_slot
             self._next_slot = slot + 1
-            self._slots[st._cdata] = (slot, ref)
+            self._slots[id(st)] = (slot, ref)
         # a leaf's version counter (and its views', which share it) carries over between
         # steps: a parameter's optimizer update
+        if t.is_leaf:
+            return (t.shape, t.dtype, slot, t.storage_offset(), 0)
         base = t._base
-        leafy = t.is_leaf or (base is not None and base.is_leaf)
-        return (t.shape, t.dtype, slot, t.storage_offset(), 0 if leafy else t._version)
+        return (t.shape, t.dtype, slot, t.storage_offset(),
+                0 if base is not None and base.is_leaf else t._version)
 
-    def pack(self, t: Tensor) -> tuple[Tensor, int]:
+    def pack(self, t: Tensor) -> tuple[Any, ...]:
         k = self.count
         self.count = k + 1
         fp = self.fingerprint(t)
         expected = self._expected
         if expected is None:
             self.fingerprints.append(fp)
+            if self.log is not None:
+                self.log.packed(fp[2], t, _storage(t))
+                return t, t._version, fp[2]
         elif self.departed_at is None and (k >= len(expected) or expected[k] != fp):
-            self.departed_at = k
-            self.why = ("more saved tensors than the plan's" if k >= len(expected)
-                        else f"saved tensor {k} is {_describe(fp)}, the plan's {_describe(expected[k])}")
-            if self._on_departure is not None:
-                self._on_departure(k, self.why)
+            self._depart(k, "more saved tensors than the plan's" if k >= len(expected)
+                         else f"saved tensor {k} is {_describe(fp)}, the plan's {_describe(expected[k])}")
+        if self.moving is not None:
+            if self.departed_at is None:
+                return self.moving.pack(t, fp[2], t._version, fp[0], fp[1], fp[3])
+            return t, t._version, fp[2]
         return t, t._version
+
+    def _depart(self, k: int, why: str) -> None:
+        self.departed_at, self.why = k, why
+        if self.moving is not None:
+            self.moving.on_plan = False  # what was copied out stays valid; nothing more moves
+        if self._on_departure is not None:
+            self._on_departure(k, why)
+
+    def _held(self, why: str) -> None:
+        """The moves found a released storage Python still holds (at saved tensor ``count``)."""
+        if self.departed_at is None:
+            self._depart(self.count - 1, why)
+
+    def _logged_unpack(self, packed: tuple[Tensor, int, int]) -> Tensor:
+        if self.log is not None:
+            self.log.unpacked(packed[2])
+        return _unpack(packed)
 
     def complete(self) -> bool:
         """After the step: whether it saved exactly the plan's tensors (and saw them all)."""
@@ -124,7 +162,7 @@ def guard_lifted() -> Iterator[None]:
         yield
     finally:
         if lift:
-            torch._C._autograd._push_saved_tensors_default_hooks(guard.pack, _unpack)  # type: ignore[union-attr]
+            torch._C._autograd._push_saved_tensors_default_hooks(guard.pack, guard.unpack)  # type: ignore[union-attr]
 
 
 @contextlib.contextmanager
@@ -140,17 +178,17 @@ def _install() -> None:
         torch.autograd.graph.disable_saved_tensors_hooks = _disable_saved_tensors_hooks
 
 
-def _unpack(packed: tuple[Tensor, int]) -> Tensor:
+def _unpack(packed: tuple[Any, ...]) -> Tensor:
     """Autograd skips its own in-place check on tensors saved through hooks: made here, with
     autograd's words, so a step in a session fails where the plain step fails."""
-    t, version = packed
-    if t._version != version:
-        raise RuntimeError(
-            f"one of the variables needed for gradient computation has been modified by an inplace "
-            f"operation: [{t.type()} {list(t.shape)}] is at version {t._version}; expected version "
-            f"{version} instead. Hint: enable anomaly detection to find the operation that failed to "
-            f"compute its gradient, with torch.autograd.set_detect_anomaly(True).")
-    return t
+    return checked_version(packed[0], packed[1])
+
+
+def _storage(t: Tensor) -> torch.UntypedStorage | None:
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _describe(fp: Fingerprint) -> str:

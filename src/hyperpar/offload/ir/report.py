@@ -32,13 +32,19 @@ class StepReport:
     min_feasible_budget_bytes: int | None = None
     unmovable_retained_bytes: int | None = None  # kept after the step: parameter .grad, loss, outputs
     unmovable_working_set_bytes: int | None = None  # what that op itself reads and writes
-    # Replay: "checked" (every op through the dispatch mode), "fast" (a plan that moves
-    # nothing, saved tensors fingerprinted: the peak is the plan's, as every saved tensor
-    # matched it) or "fallback" (a fast step that departed from its plan at saved tensor
-    # ``departed_at_saved`` and finished on the online path: its peak counts what it saw from
-    # there, the saved tensors before it included; its floor is unknown). None for warmup.
+    # Replay: "checked" (every op through the dispatch mode), "fast" (no dispatch mode: saved
+    # tensors fingerprinted and the plan's copies run at autograd's pack and unpack; the peak
+    # is the plan's, as every saved tensor matched it, plus bytes Python held past their
+    # release) or "fallback" (a fast step that departed from its plan at saved tensor
+    # ``departed_at_saved``, or found a released storage still held over the budget, and
+    # finished on the online path: its peak counts what it saw from there, the saved
+    # tensors before it included; its floor is unknown). None for warmup.
     replay_path: str | None = None
     departed_at_saved: int | None = None
+    # A fast step whose plan moves bytes: bytes it released that Python still held (so they
+    # stayed on the device) when they no longer fit the budget or at the end of forward. The
+    # session plans again with those storages kept, or checks that plan's steps from then on.
+    held_past_release_bytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -1,0 +1,250 @@
+"""The fast path for plans that move bytes (``capture.fast_moves``): after a clean checked
+replay, the plan's copies run at saved-tensor events without the dispatch mode; gradients
+stay bitwise, the released bytes are really freed, and whatever the fast path cannot do
+(a storage Python keeps, a departure, a graph kept past the step) is caught or handled."""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+
+from hyperpar.offload import OffloadConfig, OffloadSession
+from hyperpar.offload.api.fast_steps import FAST_DEPARTURES
+from tests.offload.test_fast_replay import MIB, Body, _inplace, _new_op, _plain_body, _run, _steps, _weights
+
+pytest.importorskip("transformers")
+
+
+def _budget(body: Body, fraction: float) -> int:
+    """``fraction`` of the body's activation peak, or just above its floor where that is higher."""
+    probe = OffloadSession(OffloadConfig(max_resident_activation_mb=1e6))
+    _run(probe, body, _weights(), 0)
+    report = probe.last_report
+    assert report is not None and report.min_feasible_budget_bytes is not None
+    return max(int(report.peak_resident_bytes * fraction), int(report.min_feasible_budget_bytes * 1.02))
+
+
+def _saved_live_bytes(session: OffloadSession) -> int:
+    """Device bytes of the storages autograd saved so far that are still alive (a checked
+    replay's evicted storages are alive at 0 bytes; the fast path's are dead)."""
+    guard = session._fast.guard if session._fast is not None else session._packs
+    assert guard is not None
+    return sum(st.nbytes() for ref in guard.storages if (st := ref()) is not None)
+
+
+def _measuring(live: list[int], session: OffloadSession) -> Body:
+    def body(x: torch.Tensor, ws: list[torch.Tensor], step: int) -> torch.Tensor:
+        loss = _plain_body(x, ws, step)
+        live.append(_saved_live_bytes(session))
+        return loss
+    return body
+
+
+def _settled(paths: list[str | None]) -> int:
+    """The first step from which every step ran fast (a plan may be planned again, with
+    storages the fast path cannot move kept, before it runs fast: how often depends on the
+    plan, which copy timing shapes through the timed planner)."""
+    assert paths[-1] == "fast", paths
+    first = len(paths) - 1
+    while first > 0 and paths[first - 1] == "fast":
+        first -= 1
+    assert paths[0] is None and paths[1] == "checked" and first <= 6, paths
+    return first
+
+
+def test_a_plan_that_moves_bytes_runs_fast_and_frees_what_it_releases() -> None:
+    torch.set_num_threads(1)
+    budget = _budget(_plain_body, 0.5)
+    # copies complete as issued: what is alive at the end of forward does not depend on timing
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=budget / MIB, copy_engine="sync"))
+    plain_ws, ws, live = _weights(), _weights(), []
+    paths = []
+    for step in range(7):
+        expected = _run(None, _plain_body, plain_ws, step)
+        got = _run(session, _measuring(live, session), ws, step)
+        report = session.last_report
+        assert report is not None
+        assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True)), report
+        moved = report.bytes_d2h > 0 and report.bytes_h2d > 0 and report.demand_faults == 0
+        assert step == 0 or moved, report
+        assert report.peak_resident_bytes <= budget and report.held_past_release_bytes == 0, report
+        assert session.tracked_storages() == 0
+        paths.append(report.replay_path)
+    first = _settled(paths)
+    checked, fast = live[first - 1], live[first:]
+    # at the end of forward the fast steps hold no more saved bytes than the checked replay
+    # of their plan (which evicts by resizing storages to 0 bytes); plainly they hold more
+    assert all(b <= checked for b in fast), live
+    plain_live: list[int] = []
+    _run(None, _measuring_plain(plain_live), _weights(), 0)
+    assert checked < plain_live[0], (checked, plain_live)
+
+
+def _measuring_plain(live: list[int]) -> Body:
+    def body(x: torch.Tensor, ws: list[torch.Tensor], step: int) -> torch.Tensor:
+        saved: list[weakref.ref] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved.append(weakref.ref(t.untyped_storage()))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = _plain_body(x, ws, step)
+        seen = {id(st): st.nbytes() for ref in saved if (st := ref()) is not None}
+        live.append(sum(seen.values()))
+        return loss
+    return body
+
+
+def test_another_length_on_a_moving_plan_falls_back_bitwise() -> None:
+    _, reports = _steps(_plain_body, _budget(_plain_body, 0.5), [64] * 8 + [128, 64])
+    paths = [r.replay_path for r in reports]
+    _settled(paths[:8])
+    assert paths[8:] == ["fallback", "checked"] and reports[8].departed_at_saved == 0, reports
+    assert reports[7].bytes_d2h > 0 and reports[8].bytes_d2h > 0
+
+
+@pytest.mark.parametrize("departing", [_inplace, _new_op], ids=["in-place target", "new op"])
+def test_departures_on_a_moving_plan_are_caught(departing: Body) -> None:
+    def body(x: torch.Tensor, ws: list[torch.Tensor], step: int) -> torch.Tensor:
+        return departing(x, ws, step - 6)  # departs at step 9
+
+    _, reports = _steps(body, _budget(body, 0.9), [64] * 10)
+    paths = [r.replay_path for r in reports]
+    _settled(paths[:9])
+    assert reports[8].bytes_d2h > 0
+    assert paths[9] == "fallback" and reports[9].departed_at_saved is not None, reports
+
+
+def test_a_plan_moving_a_storage_no_saved_tensor_holds_is_planned_again_and_runs_fast() -> None:
+    """The in-place body's plan moves a storage autograd never saves (only the dispatch mode
+    can evict that): the session plans again with it kept, checks that plan, and runs it fast."""
+    def body(x: torch.Tensor, ws: list[torch.Tensor], step: int) -> torch.Tensor:
+        return _inplace(x, ws, 0)
+
+    session, reports = _steps(body, _budget(body, 0.9), [64] * 9)
+    _settled([r.replay_path for r in reports])
+    plan = session._current
+    assert plan is not None and plan.refinements >= 1 and plan.kept_for_fast, plan
+    assert not plan.kept_for_fast & plan.program.moved
+    assert reports[-1].bytes_d2h > 0
+
+
+def _keeping(kept: list[torch.Tensor]) -> Body:
+    """Keeps every layer's output alive in Python past the step (as a model returning all
+    hidden states does): a plan can move them only by the dispatch mode's eviction."""
+    def body(x: torch.Tensor, ws: list[torch.Tensor], step: int) -> torch.Tensor:
+        kept.clear()
+        h = x
+        for w in ws:
+            h = torch.tanh(h @ w) + h
+            kept.append(h)
+        return h.square().mean()
+    return body
+
+
+def test_storages_python_keeps_past_forward_are_kept_by_a_re_plan_before_any_fast_step() -> None:
+    """Python holds every layer's output past the step, so the fast path could not free what
+    the plan moves of them: the checked replay sees them held at the end of forward (more
+    references than autograd's saved tensors), and the session plans again with them kept
+    until a plan moves only what the fast path can free. No step goes over the budget."""
+    kept: list[torch.Tensor] = []
+    session, reports = _steps(_keeping(kept), _budget(_keeping(kept), 0.5), [64] * 9)
+    paths = [r.replay_path for r in reports]
+    _settled(paths)
+    assert "fallback" not in paths, paths
+    assert all(r.held_past_release_bytes == 0 for r in reports), reports
+    plan = session._current
+    assert plan is not None and plan.refinements >= 1 and plan.kept_for_fast, plan
+    assert not plan.kept_for_fast & plan.program.moved
+    assert reports[-1].bytes_d2h > 0
+
+
+def test_a_storage_held_past_its_release_in_forward_sends_the_step_to_the_dispatch_mode() -> None:
+    """Held only for a while (unseen at the end of forward): the fast step finds it alive after
+    its release with the plan's bytes over the budget, and goes on with the dispatch mode,
+    which can evict it; the session then plans with it kept."""
+    def body(x: torch.Tensor, ws: list[torch.Tensor], step: int) -> torch.Tensor:
+        h, held = x, []
+        for w in ws:
+            h = torch.tanh(h @ w) + h
+            held.append(h)
+            if len(held) > 3:  # each output lives three layers past its own in Python
+                held.pop(0)
+        return h.square().mean()
+
+    torch.set_num_threads(1)
+    session, reports = _steps(body, _budget(body, 0.5), [64] * 14)  # each step within the budget
+    paths = [r.replay_path for r in reports]
+    assert "fallback" in paths, paths
+    fell = reports[paths.index("fallback")]
+    assert fell.held_past_release_bytes > 0 and fell.departed_at_saved is not None, fell
+    plan = session._current
+    assert plan is not None
+    if paths[-1] == "fast":  # a re-plan kept it and fits the budget
+        assert plan.kept_for_fast and not plan.kept_for_fast & plan.program.moved, plan
+    else:  # keeping it did not fit (copy timing shapes the timed plan): the plan stays checked
+        assert paths[-3:] == ["checked"] * 3, paths
+        assert session._structures[plan.signature].departures >= FAST_DEPARTURES
+
+
+def test_a_graph_kept_past_the_step_is_whole_for_a_later_backward() -> None:
+    """Forward inside the session, backward after it ends: what the fast step released is
+    brought back at its end (as the checked replay restores every storage)."""
+    torch.set_num_threads(1)
+    budget = _budget(_plain_body, 0.5)
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=budget / MIB))
+    plain_ws, ws = _weights(), _weights()
+    for step in range(5):
+        x = torch.randn(64, 32, generator=torch.Generator().manual_seed(step))
+        _plain_body(x, plain_ws, step).backward()
+        with session:
+            loss = _plain_body(x, ws, step)
+            if step < 3:
+                loss.backward()
+        if step >= 3:
+            assert session.last_report is not None and session.last_report.replay_path == "fast"
+            loss.backward()
+        for a, b in zip(plain_ws, ws, strict=True):
+            assert torch.equal(a.grad, b.grad), step
+            a.grad = b.grad = None
+
+
+def _hf_llama() -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64))
+
+
+def test_hf_llama_at_half_its_peak_takes_the_fast_path() -> None:
+    """A real client: HF Llama at half its activation peak moves bytes on the fast path,
+    bitwise, within the budget (where its plan moved storages only the dispatch mode can,
+    such as the rotary tables every layer reads, the session plans again with them kept)."""
+    torch.set_num_threads(1)
+    plain, off = _hf_llama(), _hf_llama()
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    probe = OffloadSession(OffloadConfig(max_resident_activation_mb=1e6))
+    with probe:
+        _hf_llama()(input_ids=ids, labels=ids).loss.backward()
+    assert probe.last_report is not None
+    budget = probe.last_report.peak_resident_bytes * 0.5
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=budget / MIB))
+    paths = []
+    for _ in range(9):
+        plain(input_ids=ids, labels=ids).loss.backward()
+        with session:
+            off(input_ids=ids, labels=ids).loss.backward()
+        report = session.last_report
+        assert report is not None and report.peak_resident_bytes <= budget * 1.05, report
+        paths.append(report.replay_path)
+        for (name, a), b in zip(plain.named_parameters(), off.parameters(), strict=True):
+            assert torch.equal(a.grad, b.grad), (name, report)
+        plain.zero_grad(set_to_none=True)
+        off.zero_grad(set_to_none=True)
+    _settled(paths)
+    assert session.last_report.bytes_d2h > 0, paths
