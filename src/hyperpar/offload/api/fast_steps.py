@@ -188,8 +188,11 @@ class FastSteps:
     def _event_log(self, executor: ExecutorBase) -> EventLog | None:
         """For a checked replay of a plan that moves bytes: where its saved-tensor events fall."""
         plan = self._running
-        if not (isinstance(executor, ReplayExecutor) and plan is not None and plan.moves):
-            return None
+        if not (isinstance(executor, ReplayExecutor) and plan is not None and plan.moves
+                and self.config.fast_replay and plan.packs is None
+                and plan.program.planned_peak <= self._budget_bytes
+                and (plan.fast_refusal is None or plan.refinements < MAX_REFINEMENTS)):
+            return None  # nothing to learn: it runs fast already, or never will
         table = executor.table
         sid_of, nbytes = table.sid_of, table.nbytes
         engine = self._manager.engine

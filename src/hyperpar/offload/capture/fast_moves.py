@@ -156,7 +156,7 @@ class MoveSchedule:
         copied_at: dict[int, int] = {}
         released: dict[int, bool] = {}
         paged: set[int] = set()
-        for j in range(2 * program.num_ops):
+        for j in np.flatnonzero(np.diff(np.asarray(program.act_start, dtype=np.int64))).tolist():
             point = j // 2 + (j & 1)  # op i's pre list runs before op i, its post list after
             for code, sid in program.actions(j):
                 if code == RELEASE_HOST or sid in bad:  # host slabs go back when the step ends
