@@ -149,6 +149,9 @@ class MoveSchedule:
             sid = log.slot_sid[slot]
             if sid in program.moved and slot_of.get(sid) == slot:
                 bad.setdefault(sid, "Python holds it past forward")
+        slots_arr = np.asarray(log.slot, dtype=np.int64)
+        unpacks_of = {int(slot): unpacks[slots_arr[unpacks] == slot]
+                      for slot in np.unique(slots_arr[unpacks])}
         first_pack: dict[int, int] = {}
         for e in range(forward_end):
             first_pack.setdefault(log.slot[e], e)
@@ -164,6 +167,13 @@ class MoveSchedule:
                 slot = slot_of[sid]
                 if code == H2D:
                     e = int(np.searchsorted(clock, point, "left")) - 1
+                    # a backward node unpacks all it saved before its first op: the page-in
+                    # must come before the unpack of this storage that the plan's reads follow
+                    u = unpacks_of.get(slot)
+                    if u is not None:
+                        k = int(np.searchsorted(clock[u], point, "right")) - 1
+                        if k >= 0 and e >= u[k]:
+                            e = int(u[k]) - 1
                     if e < forward_end:
                         bad[sid] = "the plan pages it back in during forward"
                 else:
