@@ -248,3 +248,47 @@ def test_hf_llama_at_half_its_peak_takes_the_fast_path() -> None:
         off.zero_grad(set_to_none=True)
     _settled(paths)
     assert session.last_report.bytes_d2h > 0, paths
+
+
+def _double(x: torch.Tensor, ws: list[torch.Tensor], step: int) -> torch.Tensor:
+    """A gradient penalty: backward through the gradient (create_graph), so every saved
+    tensor the fast path rebuilt must carry its place in the graph."""
+    h = _plain_body(x, ws, step)
+    grads = torch.autograd.grad(h, ws, create_graph=True)
+    return h + sum(g.square().sum() for g in grads)
+
+
+def _layer(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(a @ w) + a
+
+
+def _checkpointed(x: torch.Tensor, ws: list[torch.Tensor], step: int) -> torch.Tensor:
+    """Half the layers recomputed in backward: their saves happen inside backward."""
+    h = x
+    for k, w in enumerate(ws):
+        if k % 2:
+            h = torch.utils.checkpoint.checkpoint(_layer, h, w, use_reentrant=False)
+        else:
+            h = torch.tanh(h @ w) + h
+    return h.square().mean()
+
+
+def _twice(x: torch.Tensor, ws: list[torch.Tensor], step: int) -> torch.Tensor:
+    """Backward twice over one graph inside the step (retain_graph): the second reads every
+    saved tensor again, after the plan let go of them."""
+    loss = _plain_body(x, ws, step)
+    first = torch.autograd.grad(loss, ws, retain_graph=True)
+    return loss + sum((g * w).sum() for g, w in zip(first, ws, strict=True)).detach()
+
+
+@pytest.mark.parametrize("body", [_double, _checkpointed, _twice],
+                         ids=["create_graph", "checkpoint", "retain_graph"])
+def test_moving_fast_steps_stay_bitwise_off_the_happy_path(body: Body) -> None:
+    """Each step bitwise and within the budget (``_steps``), fast or checked: a create_graph
+    backward saves the tensors the fast path rebuilt (another storage than the checked
+    replay's), departs in backward and stays checked; the others run fast. Copies complete as
+    issued: which plan the timed planner makes must not depend on copy timing here."""
+    _, reports = _steps(body, _budget(body, 0.5), [64] * 8, copy_engine="sync")
+    paths = [r.replay_path for r in reports]
+    assert paths[-1] == ("checked" if body is _double else "fast"), paths
+    assert reports[-1].bytes_d2h > 0, reports[-1]

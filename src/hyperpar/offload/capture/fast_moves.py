@@ -350,7 +350,10 @@ class MovingStep:
             return s.view
         offset, shape, stride, dtype = key
         view = torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, shape, stride)
-        s.view, s.view_key = view, key
+        if self.on_plan:  # the plan's release lets go of it
+            s.view, s.view_key = view, key
+        elif s.host is not None:  # off the plan nothing releases: the view alone keeps the bytes
+            s.device = s.view = None
         return view
 
     def _check_held(self, e: int) -> None:
