@@ -25,6 +25,7 @@ CHEAP = {  # stem -> arguments of a run that takes a few seconds
     "tiny_ops": ["benchmarks/tiny_ops.py", "--layers", "40"],
     "replay_overhead": ["benchmarks/replay_overhead.py", "--steps", "3"],
     "host_pool": ["-m", "hyperpar.bench.host_pool", "--steps", "20", "--session-steps", "3"],
+    "demo_step": ["benchmarks/demo_step.py", "--steps", "3", "--settle", "1"],
 }
 EXPENSIVE = ("moe", "compile", "variable_lengths", "variable_shapes_models", "fuzz_failures",
              "multicore_hang_paths", "warmup_budget", "planner", "offload", "host_cost",

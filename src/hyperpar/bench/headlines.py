@@ -307,6 +307,14 @@ def gpu_projection(doc: dict[str, Any]) -> list[Figure]:
     return figs
 
 
+def demo_step(doc: dict[str, Any]) -> list[Figure]:
+    s, st = doc["steady_over_plain"], doc["settings"]
+    return [figure("demo_gpt_step_over_plain", s["median"], "x",
+                   f"demo GPT ({st['size']}, batch {st['batch_size']}) at {st['budget_fraction']:.0%} of its "
+                   f"peak: wall step / plain, steps {doc['settle']}+", "docs/architecture.md",
+                   spread=(s["min"], s["max"]))]
+
+
 HEADLINES: dict[str, Callable[[dict[str, Any]], list[Figure]]] = {
     "moe": moe, "offload": offload, "planner": planner, "variable_lengths": variable_lengths,
     "variable_shapes_models": variable_shapes_models, "compile": compile_in_session,
@@ -314,7 +322,7 @@ HEADLINES: dict[str, Callable[[dict[str, Any]], list[Figure]]] = {
     "replay_instructions": replay_instructions, "replay_overhead_cpu": replay_overhead_cpu,
     "tiny_ops": tiny_ops, "warmup_budget": warmup_budget, "grown_steps": grown_steps,
     "host_pool": host_pool, "replay_overhead": replay_overhead, "host_cost": host_cost,
-    "host_cost_mechanisms": host_cost_mechanisms, "gpu_projection": gpu_projection,
+    "host_cost_mechanisms": host_cost_mechanisms, "gpu_projection": gpu_projection, "demo_step": demo_step,
 }
 
 
