@@ -17,15 +17,25 @@ from hyperpar.offload.planning import prediction, timed
 DEFICIT_LOGGERS = (prediction.__name__, timed.__name__)
 
 
+class _BelowError(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR
+
+
+_MUTE = _BelowError()
+
+
 @contextlib.contextmanager
 def deficit_warnings_muted() -> Iterator[None]:
-    """For callers that report the deficit themselves (a sweep's table, ``hyperpar plan``)."""
+    """For callers that report the deficit themselves (a sweep's table, ``hyperpar plan``).
+    A filter, not ``setLevel``: that clears the cache of every logger in the process (with
+    transformers imported, 0.8 ms of each warmup step on HF Llama)."""
     loggers = [logging.getLogger(name) for name in DEFICIT_LOGGERS]
-    levels = [log.level for log in loggers]
-    for log in loggers:
-        log.setLevel(logging.ERROR)
+    added = [log for log in loggers if _MUTE not in log.filters]
+    for log in added:
+        log.addFilter(_MUTE)
     try:
         yield
     finally:
-        for log, level in zip(loggers, levels, strict=True):
-            log.setLevel(level)
+        for log in added:
+            log.removeFilter(_MUTE)
