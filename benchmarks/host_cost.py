@@ -290,7 +290,8 @@ def profile(out_dir: Path, quick: bool, steps: int = 10) -> list[Path]:
             assert session.last_report is not None and session.last_report.phase == phase
         buf = io.StringIO()
         fresh = " (a fresh session each)" if phase == "warmup" else ""
-        paths = "" if phase == "warmup" else f" ({kept.last_report.replay_path})"  # type: ignore[union-attr]
+        report = kept.last_report
+        paths = "" if phase == "warmup" or report is None else f" ({report.replay_path})"
         buf.write(f"# HF Llama (hidden 64, 4 layers, 2 x 64 tokens, {ops} ops), {phase}{paths} at 50 % of the "
                   f"peak, {steps} steps{fresh}\n# commit {prov['commit']} dirty={prov['dirty']} "
                   f"torch {prov['torch']} load {prov['load_average']['start']}\n"
