@@ -292,8 +292,8 @@ def profile(out_dir: Path, quick: bool, steps: int = 10) -> list[Path]:
         fresh = " (a fresh session each)" if phase == "warmup" else ""
         report = kept.last_report
         paths = "" if phase == "warmup" or report is None else f" ({report.replay_path})"
-        buf.write(f"# HF Llama (hidden 64, 4 layers, 2 x 64 tokens, {ops} ops), {phase}{paths} at 50 % of the "
-                  f"peak, {steps} steps{fresh}\n# commit {prov['commit']} dirty={prov['dirty']} "
+        buf.write(f"# HF Llama (hidden 64, 4 layers, 2 x 64 tokens, {ops} ops), {phase}{paths} at 50 % of "
+                  f"the peak, {steps} steps{fresh}\n# commit {prov['commit']} dirty={prov['dirty']} "
                   f"torch {prov['torch']} load {prov['load_average']['start']}\n"
                   f"# command: {prov['command']}\n")
         for key in ("tottime", "cumulative"):
