@@ -42,10 +42,12 @@ from hyperpar.offload.capture.replay_program import (
     RELEASE_HOST,
     ReplayProgram,
 )
+from hyperpar.offload.runtime.host_pool import ALIGN_BYTES as _ALIGN
 from hyperpar.offload.runtime.host_pool import aligned
 from hyperpar.offload.runtime.residency_manager import byte_view
 
 Tensor = torch.Tensor
+_inference = torch.is_inference_mode_enabled
 
 
 @dataclass(slots=True)
@@ -293,6 +295,7 @@ class MovingStep:
         self.worst = 0  # the most the plan's resident bytes plus held ones reached at an event
         self._slab: Tensor | None = None  # the step's host slab, cut from ``_cut`` on
         self._slab_after: Any = None  # the last copy that used the slab's memory before
+        self._slab_bytes = 0
         self._cut = 0
         self._own: list[Tensor] = []  # slabs of storages past the step's slab
 
@@ -394,20 +397,24 @@ class MovingStep:
 
     def _run(self, acts: tuple[tuple[int, int], ...], e: int) -> None:
         slots = self.slots
+        out = False
         for code, slot in acts:
             s = slots.get(slot)
             if s is None:
                 continue
             if code == D2H:
                 self._copy_out(s, slot)
+                out = True
             elif code == H2D:
                 if s.device is None and s.host is not None:
                     self._page_in(s)
             elif s.host is not None:  # a release: only with a host copy
                 s.device = s.view = None
+                out = True
                 if s.original() is not None:
                     self._held.append((slot, s))
-        self.engine.poll()
+        if out:  # finished copies out let go of their sources (released storages) here
+            self.engine.poll()
 
     def _host(self, nbytes: int) -> tuple[Tensor, Any] | None:
         """Host bytes for a copy out, and the copy they must wait for."""
@@ -415,9 +422,10 @@ class MovingStep:
             got = self.pool.acquire_with_event(max(self.schedule.host_bytes, 1))
             if got is not None:
                 self._slab, self._slab_after = got
+                self._slab_bytes = got[0].numel()
         slab, cut = self._slab, self._cut
-        if slab is not None and cut + nbytes <= slab.numel():
-            self._cut = cut + aligned(nbytes)
+        if slab is not None and cut + nbytes <= self._slab_bytes:
+            self._cut = cut + (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN  # ``host_pool.aligned``, inline
             after = self._slab_after
             if after is not None and self.engine.is_done(after):
                 after = self._slab_after = None
@@ -436,7 +444,10 @@ class MovingStep:
         if got is None:  # the host pool's cap: the storage stays on the device
             return
         s.host, after = got
-        s.d2h = self.engine.copy_d2h(s.host, byte_view(storage), after, slot)
+        # ``byte_view``, inline where no inference mode makes the view an inference tensor
+        src = (byte_view(storage) if _inference() else
+               torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage))
+        s.d2h = self.engine.copy_d2h(s.host, src, after, slot)
         self.bytes_d2h += s.nbytes
 
     def _page_in(self, s: _Slot) -> torch.UntypedStorage:
