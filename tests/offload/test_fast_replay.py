@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hyperpar.offload import OffloadConfig, OffloadSession
+from hyperpar.offload.api.fast_steps import FAST_DEPARTURES
 from hyperpar.offload.capture import current_offload_mode
 from tests.step_context import step_context
 
@@ -140,12 +141,42 @@ def test_each_departure_is_caught_on_the_fast_path(body: Body) -> None:
     assert reports[3].departed_at_saved is not None
 
 
+_NEW_OP_AT = [0, 0, 0, 1, 0, 1, 0, 1, 0, 0, 0, 0]
+
+
+def _new_op_at_times(x: torch.Tensor, ws: list[torch.Tensor], step: int) -> torch.Tensor:
+    """A data-dependent extra op on some steps: the step after one without it is predicted
+    to be like it, and departs from its plan past the first saved tensor."""
+    h = torch.tanh(x @ ws[0])
+    if _NEW_OP_AT[step]:
+        h = h.sin()
+    return (h @ ws[1]).square().mean()
+
+
 def test_a_structure_that_departs_twice_stays_checked() -> None:
-    budget = int(_peak(_plain_body, 96) * 1.1)
-    _, reports = _steps(_plain_body, budget, [64, 64, 64, 96, 64, 64, 96, 64, 64, 64])
+    body = _new_op_at_times
+    session, reports = _steps(body, int(_peak(body) * 1.2), [64] * len(_NEW_OP_AT))
     paths = [r.replay_path for r in reports]
-    assert paths[:7] == [None, "checked", "fast", "fallback", "checked", "fast", "fallback"], paths
-    assert set(paths[7:]) == {"checked"}, paths
+    assert paths[:6] == [None, "checked", "fast", "fallback", "checked", "fallback"], paths
+    assert set(paths[6:]) == {"checked"}, paths
+    assert sorted(st.departures for st in session._structures.values()) == [0, FAST_DEPARTURES]
+
+
+def test_steps_of_two_lengths_each_take_their_own_plans_fast_path() -> None:
+    """Another length is not a departure to hold against the structure: at its first saved
+    tensor, nothing moved yet, the step takes its own size's plan if that one learned its
+    saved tensors, else falls back and the next steps are checked until it has."""
+    budget = int(_peak(_plain_body, 96) * 1.1)
+    session, reports = _steps(_plain_body, budget, [64, 96] * 7)
+    paths = [r.replay_path for r in reports]
+    assert paths[-6:] == ["fast"] * 6, paths
+    assert paths.count("fallback") <= 1, paths
+    structure = next(iter(session._structures.values()))
+    assert structure.departures == 0 and len(structure.sizes) == 2
+    assert all(plan.packs for plan in structure.sizes.values())
+    # each fast step ran its own size's plan: a 96 step reports the 96 plan's peak
+    peaks = {r.peak_resident_bytes for r in reports[-2:]}
+    assert len(peaks) == 2, reports[-2:]
 
 
 def test_torch_func_in_a_step_runs_and_never_takes_the_fast_path() -> None:

@@ -15,6 +15,7 @@ from hyperpar.offload.api.plans import FastStep, Plan
 from hyperpar.offload.capture import ExecutorBase, OffloadDispatchMode, ReplayExecutor, host_reads
 from hyperpar.offload.capture.fast_moves import EventLog, MoveSchedule, MovingStep, Refusal
 from hyperpar.offload.capture.fast_replay import FallbackExecutor
+from hyperpar.offload.capture.replay_program import size_bucket
 from hyperpar.offload.capture.saved_tensor_guard import SavedTensorGuard
 from hyperpar.offload.ir.report import StepReport
 
@@ -22,6 +23,7 @@ logger = logging.getLogger("hyperpar.offload.api.session")
 
 MAX_REFINEMENTS = 5  # re-plans of a plan, each keeping more storages on the device for the fast path
 FAST_DEPARTURES = 2  # fast steps of a structure that departed, after which it stays checked
+LEARN_STEPS = 4  # checked steps, at most, for a size's plan to learn its saved tensors
 
 
 class FastSteps:
@@ -45,6 +47,7 @@ class FastSteps:
         any) run at saved-tensor events, with the saved tensors of a clean checked replay to
         compare against."""
         return (self.config.fast_replay and bool(plan.packs)
+                and not self._structures[plan.signature].to_learn
                 and (not plan.moves or plan.move_schedule is not None)
                 and not plan.program.region_accesses
                 and plan.program.planned_peak <= self._budget_bytes
@@ -76,14 +79,32 @@ class FastSteps:
         self._mode.__enter__()
 
     def _start_fast(self, plan: Plan) -> None:
-        moving = None
-        if plan.moves:
-            assert plan.move_schedule is not None
-            moving = MovingStep(plan.move_schedule, self._manager.engine, self._manager.pool, self.device,
-                                self._budget_bytes)
-            self._manager.engine.begin_step()
-        guard = SavedTensorGuard(plan.packs, self._fall_back, moving=moving).__enter__()
+        moving = self._moving_for(plan)
+        sizes = self._structures[plan.signature].sizes
+        other = self._other_size if len(sizes) > 1 else None
+        guard = SavedTensorGuard(plan.packs, self._fall_back, moving=moving, other_size=other).__enter__()
         self._fast = FastStep(plan, guard, time.perf_counter(), threading.get_ident(), moving)
+
+    def _moving_for(self, plan: Plan) -> MovingStep | None:
+        if not plan.moves:
+            return None
+        assert plan.move_schedule is not None
+        self._manager.engine.begin_step()
+        return MovingStep(plan.move_schedule, self._manager.engine, self._manager.pool, self.device,
+                          self._budget_bytes)
+
+    def _other_size(self, first: Any) -> tuple[Any, MovingStep | None] | None:
+        """A fast step whose first saved tensor is not its plan's (another sequence length):
+        the structure's plan for that size, when one ran clean and may go fast, takes over."""
+        fast = self._fast
+        if fast is None or threading.get_ident() != fast.thread:
+            return None
+        for plan in self._structures[fast.plan.signature].sizes.values():
+            if plan is not fast.plan and plan.packs and plan.packs[0] == first and self._fast_ok(plan):
+                fast.plan, fast.moving = plan, self._moving_for(plan)
+                self._running = plan
+                return plan.packs, fast.moving
+        return None
 
     def _exit_fast(self, fast: FastStep, clean: bool) -> None:
         """A fast step that needed no fallback: its report, and what the session learns."""
@@ -131,20 +152,37 @@ class FastSteps:
         """A fast step that departed: its plan is checked again next time (or traced there)."""
         plan = self._running
         assert plan is not None
-        plan.packs = None
+        structure = self._structures[plan.signature]
         report.held_past_release_bytes = executor.held_bytes
-        if not (executor.held_sids and self._refine(plan, executor.held_sids)):
-            self._structures[plan.signature].departures += 1
+        if executor.departed_at == 0 and not executor.held_sids:
+            # at its first saved tensor, nothing moved yet: another size, whose plan has not
+            # learned its saved tensors (else the guard took it); checked steps teach it
+            structure.to_learn = LEARN_STEPS
+        else:
+            plan.packs = None
+            if not (executor.held_sids and self._refine(plan, executor.held_sids)):
+                structure.departures += 1
         self.phase = "warmup" if self._choose() is None else "replay"
         self.last_report = report
 
     def _learn_packs(self, executor: ExecutorBase, recorder: SavedTensorGuard) -> None:
         """A checked replay that followed its plan to the end: its saved tensors are what a
         fast step of that plan must save."""
-        plan = self._running
-        if not (isinstance(executor, ReplayExecutor) and plan is not None and executor.diverged_at is None
-                and executor.program is plan.program and recorder.count and not recorder.lifted):
+        running = self._running
+        if not (isinstance(executor, ReplayExecutor) and running is not None and executor.diverged_at is None
+                and recorder.count and not recorder.lifted):
             return
+        structure = self._structures.get(running.signature)
+        # the plan the step ended on (replay switches to the plan of the step's size), if the
+        # step was of that plan's size (a step of a size with no plan yet follows another's)
+        plan = None if structure is None else next(
+            (p for p in structure.sizes.values() if p.program is executor.program), None)
+        nbytes = executor.table.nbytes
+        if plan is None or size_bucket(nbytes[0] if nbytes and plan.packed.size_of(0, -1) >= 0 else 0) \
+                != plan.program.bucket:
+            return
+        if structure.to_learn:
+            structure.to_learn = 0 if plan.packs is None else structure.to_learn - 1
         if plan.moves:
             if recorder.log is None:
                 return
@@ -187,12 +225,15 @@ class FastSteps:
 
     def _event_log(self, executor: ExecutorBase) -> EventLog | None:
         """For a checked replay of a plan that moves bytes: where its saved-tensor events fall."""
-        plan = self._running
-        if not (isinstance(executor, ReplayExecutor) and plan is not None and plan.moves
-                and self.config.fast_replay and plan.packs is None
-                and plan.program.planned_peak <= self._budget_bytes
-                and (plan.fast_refusal is None or plan.refinements < MAX_REFINEMENTS)):
-            return None  # nothing to learn: it runs fast already, or never will
+        running = self._running
+        if not (isinstance(executor, ReplayExecutor) and running is not None and self.config.fast_replay):
+            return None
+        structure = self._structures.get(running.signature)
+        if structure is None or not any(  # the step may end on any size's plan (replay switches)
+                p.moves and p.packs is None and p.program.planned_peak <= self._budget_bytes
+                and (p.fast_refusal is None or p.refinements < MAX_REFINEMENTS)
+                for p in structure.sizes.values()):
+            return None  # nothing to learn: they run fast already, or never will
         table = executor.table
         sid_of, nbytes = table.sid_of, table.nbytes
         engine = self._manager.engine

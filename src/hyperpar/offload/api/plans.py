@@ -63,6 +63,9 @@ class Structure:
     sizes: dict[int, Plan]  # size bucket -> plan
     last: Plan  # the plan its last step followed
     departures: int = 0  # fast steps that departed from their plan (sizes vary here: stay checked)
+    # steps to check before going fast again: a step of a size whose plan has not run a clean
+    # checked replay yet fell back at its first saved tensor, so its plan needs one
+    to_learn: int = 0
 
 
 def signature_of(packed: PackedTrace, keys: list[object]) -> int:

@@ -67,6 +67,7 @@ class EventLog:
     slot_sid: dict[int, int] = field(default_factory=dict)
     slot_bytes: dict[int, int] = field(default_factory=dict)
     held: frozenset[int] = frozenset()  # slots held past forward by more than the saved tensors
+    _backward: bool = False  # an unpack came
     _storages: dict[int, weakref.ref] = field(default_factory=dict)
     _tensors: dict[int, list[weakref.ref]] = field(default_factory=dict)
 
@@ -85,7 +86,8 @@ class EventLog:
         self.slot.append(slot)
 
     def unpacked(self, slot: int) -> None:
-        if not any(self.unpack):
+        if not self._backward:
+            self._backward = True
             self.held = self._held_past_forward()
         self.unpack.append(True)
         self.clock.append(self.clock_of())

@@ -25,27 +25,34 @@ from hyperpar.offload.capture.fast_moves import EventLog, MovingStep, checked_ve
 
 Tensor = torch.Tensor
 Fingerprint = tuple[Any, ...]
+# the first saved tensor's fingerprint -> another size's saved tensors and moves, or None
+OtherSize = Callable[[Fingerprint], "tuple[tuple[Fingerprint, ...], MovingStep | None] | None"]
 
 
 class SavedTensorGuard:
     """``pack``/``unpack`` for ``torch.autograd.graph.saved_tensors_hooks``: records the
     fingerprints of a step's saved tensors (``expected=None``) or checks them."""
 
-    __slots__ = ("_expected", "_next_slot", "_on_departure", "_slots", "count", "departed_at", "fingerprints",
-                 "lifted", "log", "moving", "storages", "unpack", "why")
+    __slots__ = ("_expected", "_next_slot", "_on_departure", "_other_size", "_slots", "count", "departed_at",
+                 "fingerprints", "lifted", "log", "moving", "storages", "unpack", "why")
 
     def __init__(self, expected: tuple[Fingerprint, ...] | None = None,
                  on_departure: Callable[[int, str], None] | None = None, *,
-                 log: EventLog | None = None, moving: MovingStep | None = None) -> None:
+                 log: EventLog | None = None, moving: MovingStep | None = None,
+                 other_size: OtherSize | None = None) -> None:
         """``log``: record where each pack and unpack falls (a checked replay of a plan that
-        moves bytes); ``moving``: run that plan's moves at those events (a fast step)."""
+        moves bytes); ``moving``: run that plan's moves at those events (a fast step);
+        ``other_size``: given the first saved tensor's fingerprint when it is not the plan's,
+        the saved tensors and moves of the structure's plan for that size, if it has one (a
+        step of another sequence length takes that plan's fast path: nothing has moved yet)."""
         self._expected = expected
         self._on_departure = on_departure
+        self._other_size = other_size
         self.log, self.moving = log, moving
         if moving is not None:
             moving.on_held = self._held
-        self.unpack: Callable[[Any], Tensor] = (
-            moving.unpack if moving is not None else self._logged_unpack if log is not None else _unpack)
+        self.unpack: Callable[[Any], Tensor] = (self._fast_unpack if expected is not None
+                                                else self._logged_unpack if log is not None else _unpack)
         # storage address -> its slot (first seen order) and the storage, weakly: a storage
         # that died may leave its address to a new one, which is another slot
         self._slots: dict[int, tuple[int, weakref.ref]] = {}
@@ -107,13 +114,32 @@ class SavedTensorGuard:
                 self.log.packed(fp[2], t, _storage(t))
                 return t, t._version, fp[2]
         elif self.departed_at is None and (k >= len(expected) or expected[k] != fp):
-            self._depart(k, "more saved tensors than the plan's" if k >= len(expected)
-                         else f"saved tensor {k} is {_describe(fp)}, the plan's {_describe(expected[k])}")
+            if not (k == 0 and self._resized(fp)):
+                self._depart(k, "more saved tensors than the plan's" if k >= len(expected)
+                             else f"saved tensor {k} is {_describe(fp)}, the plan's {_describe(expected[k])}")
         if self.moving is not None:
             if self.departed_at is None:
                 return self.moving.pack(t, fp[2], t._version, fp[0], fp[1], fp[3])
             return t, t._version, fp[2]
         return t, t._version
+
+    def _resized(self, fp: Fingerprint) -> bool:
+        """The first saved tensor is another size's: follow that size's plan, if there is one."""
+        found = None if self._other_size is None else self._other_size(fp)
+        if found is None:
+            return False
+        self._expected, self.moving = found
+        if self.moving is not None:
+            self.moving.on_held = self._held
+        return True
+
+    def _fast_unpack(self, packed: tuple[Any, ...]) -> Tensor:
+        """A fast step's unpack: its moves' (a plan may be swapped for another size's at the
+        first saved tensor, after autograd took this function for it)."""
+        moving = self.moving
+        if moving is not None:
+            return moving.unpack(packed)
+        return checked_version(packed[0], packed[1])
 
     def _depart(self, k: int, why: str) -> None:
         self.departed_at, self.why = k, why
