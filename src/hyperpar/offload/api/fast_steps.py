@@ -24,6 +24,7 @@ logger = logging.getLogger("hyperpar.offload.api.session")
 MAX_REFINEMENTS = 5  # re-plans of a plan, each keeping more storages on the device for the fast path
 FAST_DEPARTURES = 2  # fast steps of a structure that departed, after which it stays checked
 LEARN_STEPS = 4  # checked steps, at most, for a size's plan to learn its saved tensors
+MAX_SIZE_MISSES = 3  # steps of a size no plan learned, after which the structure stays checked
 
 
 class FastSteps:
@@ -156,8 +157,13 @@ class FastSteps:
         report.held_past_release_bytes = executor.held_bytes
         if executor.departed_at == 0 and not executor.held_sids:
             # at its first saved tensor, nothing moved yet: another size, whose plan has not
-            # learned its saved tensors (else the guard took it); checked steps teach it
+            # learned its saved tensors (else the guard took it); checked steps teach it. A
+            # structure whose lengths keep changing (each its own fingerprint) stays checked:
+            # the checked replay follows any length, the fast path only ones it has seen
             structure.to_learn = LEARN_STEPS
+            structure.size_misses += 1
+            if structure.size_misses > MAX_SIZE_MISSES:
+                structure.departures = FAST_DEPARTURES
         else:
             plan.packs = None
             if not (executor.held_sids and self._refine(plan, executor.held_sids)):
