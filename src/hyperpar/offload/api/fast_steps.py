@@ -13,8 +13,9 @@ import torch
 
 from hyperpar.offload.api.plans import FastStep, Plan
 from hyperpar.offload.capture import ExecutorBase, OffloadDispatchMode, ReplayExecutor, host_reads
-from hyperpar.offload.capture.fast_moves import EventLog, MoveSchedule, MovingStep, Refusal
+from hyperpar.offload.capture.fast_moves import MovingStep
 from hyperpar.offload.capture.fast_replay import FallbackExecutor
+from hyperpar.offload.capture.fast_schedule import EventLog, MoveSchedule, Refusal
 from hyperpar.offload.capture.replay_program import size_bucket
 from hyperpar.offload.capture.saved_tensor_guard import SavedTensorGuard
 from hyperpar.offload.ir.report import StepReport
@@ -120,32 +121,27 @@ class FastSteps:
                             peak_resident_bytes=plan.program.planned_peak, budget_bytes=self._budget_bytes,
                             step_ms=(time.perf_counter() - fast.t0) * 1e3,
                             predicted_step_ms=plan.predicted_ms, replay_path="fast")
+        held: frozenset[int] = frozenset()
         if moving is not None:
             report.bytes_d2h, report.bytes_h2d = moving.bytes_d2h, moving.bytes_h2d
             report.demand_faults = moving.demand_faults
             report.exposed_wait_ms = self._manager.engine.exposed_wait_ms()
-        held = moving.held_past_release if moving is not None else 0
-        if moving is not None:  # Python held bytes the plan released: what the plan had, plus those
+            # Python held bytes the plan released: what the plan had, plus those
             report.peak_resident_bytes = max(report.peak_resident_bytes, moving.worst)
-            report.held_past_release_bytes = held
-        if not fast.guard.complete():  # it ended early or departed in backward: peak unmeasured
+            report.held_past_release_bytes = moving.held_past_release
+            if moving.held_past_release:
+                held = moving.held_sids
+        complete = fast.guard.complete()
+        if not complete:  # it ended early or departed in backward: peak unmeasured
             report.departed_at_saved = (fast.guard.count if fast.guard.departed_at is None
                                         else fast.guard.departed_at)
-        if not fast.guard.complete() or held:  # checked again next time
-            plan.packs = None
         plan.floor.annotate(report)
         self._structures.move_to_end(plan.signature)
         structure.last = plan
         self._learn(plan.signature)
         self._current = plan
-        if held and fast.guard.complete() and self._refine(plan, moving.held_sids):  # type: ignore[union-attr]
-            logger.info("fast replay: %d bytes the plan released were still held by Python at the end of "
-                        "forward; planned again with them kept", held)
-        elif not fast.guard.complete() or held:
-            if held:
-                logger.info("fast replay: %d bytes the plan released were still held by Python at the end "
-                            "of forward; the plan is checked again", held)
-            structure.departures += 1
+        if not complete or held:
+            self._off_plan(plan, held if complete else frozenset())
         self.phase = "replay"
         self.last_report = report
 
@@ -165,11 +161,22 @@ class FastSteps:
             if structure.size_misses > MAX_SIZE_MISSES:
                 structure.departures = FAST_DEPARTURES
         else:
-            plan.packs = None
-            if not (executor.held_sids and self._refine(plan, executor.held_sids)):
-                structure.departures += 1
+            self._off_plan(plan, executor.held_sids)
         self.phase = "warmup" if self._choose() is None else "replay"
         self.last_report = report
+
+    def _off_plan(self, plan: Plan, held: frozenset[int]) -> None:
+        """A fast step left its plan: checked again next time; where it was storages Python
+        held past their release (``held``), planned again with them kept, else a departure."""
+        plan.packs = None
+        if held and self._refine(plan, held):
+            logger.info("fast replay: storages %s the plan released were still held by Python; planned "
+                        "again with them kept", sorted(held))
+            return
+        if held:
+            logger.info("fast replay: storages %s the plan released were still held by Python; the plan "
+                        "is checked again", sorted(held))
+        self._structures[plan.signature].departures += 1
 
     def _learn_packs(self, executor: ExecutorBase, recorder: SavedTensorGuard) -> None:
         """A checked replay that followed its plan to the end: its saved tensors are what a

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from hyperpar.offload.capture import ReplayProgram
-from hyperpar.offload.capture.fast_moves import MoveSchedule, MovingStep
+from hyperpar.offload.capture.fast_moves import MovingStep
+from hyperpar.offload.capture.fast_schedule import MoveSchedule
 from hyperpar.offload.capture.saved_tensor_guard import Fingerprint, SavedTensorGuard
 from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
 from hyperpar.offload.ir.packed import PackedTrace

@@ -1,11 +1,5 @@
-"""The fast path for plans that move bytes: the plan's copies run at saved-tensor events.
-
-Without the dispatch mode the only points a step shows are autograd's: ``pack`` when it
-saves a tensor (forward, and recomputation in backward), ``unpack`` when a backward node
-reads one. A checked replay of the plan logs where each of those events fell between its
-ops (``EventLog``); ``MoveSchedule.build`` moves each of the plan's actions on a storage
-to an event: copies out and releases to the first event at or after the plan's point (so
-never before a forward op that reads the bytes), page-ins to the last event before it.
+"""The fast path for plans that move bytes: the plan's copies run at saved-tensor events
+(``capture.fast_schedule`` says which, from a checked replay of the plan).
 
 A release here is not ``resize_(0)``: a 0-byte storage read by a kernel that no mode
 checks crashes the process, and without the mode nothing stops a step that departs from
@@ -13,12 +7,11 @@ its plan from reading one. ``pack`` hands autograd a handle instead of the tenso
 storage the plan moves; the release drops the handle's slot's device reference (the host
 copy stays), so the bytes are freed once Python lets go of them too, as ``save_on_cpu``
 and torchtune's offloading free theirs. A storage Python still holds after its release
-stays valid, on the device: the step counts it (``held_past_release``) and the plan stays
-checked. ``unpack`` returns the original tensor while it lives, else a view of the slot's
+stays valid, on the device: where the plan's bytes plus those no longer fit the budget the
+step goes on with the dispatch mode (``on_held``), and the session plans again with them
+kept. ``unpack`` returns the original tensor while it lives, else a view of the slot's
 paged-in storage (waiting for its copy, or paging in on demand).
 
-A plan takes this path only when every storage it moves is one autograd saves, copied out
-and released in forward and paged in during backward; otherwise ``build`` returns why not.
 Known gap, shared with the peers: an in-place write to a saved tensor that Python then drops
 cannot be seen at unpack (the version is checked while the tensor lives).
 """
@@ -28,218 +21,16 @@ from __future__ import annotations
 import sys
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
-from hyperpar.offload.capture.replay_program import (
-    D2H,
-    H2D,
-    RELEASE,
-    RELEASE_FINAL,
-    RELEASE_HOST,
-    ReplayProgram,
-)
-from hyperpar.offload.runtime.host_pool import ALIGN_BYTES as _ALIGN
+from hyperpar.offload.capture.fast_schedule import MoveSchedule
+from hyperpar.offload.capture.replay_program import D2H, H2D
 from hyperpar.offload.runtime.host_pool import aligned
 from hyperpar.offload.runtime.residency_manager import byte_view
 
 Tensor = torch.Tensor
-_inference = torch.is_inference_mode_enabled
-
-
-@dataclass(slots=True)
-class EventLog:
-    """What a checked replay's saved-tensor events were: per event, whether it was an unpack,
-    the ops the step had run when it came (``clock``), and the saved tensor's slot; per
-    slot, the plan's storage id (-1: not an activation) and size; and, at forward's end,
-    which slots' storages something other than autograd's saved tensors still holds."""
-
-    clock_of: Callable[[], int]
-    sid_of: Callable[[torch.UntypedStorage], int]
-    size_of: Callable[[int], int]
-    settle: Callable[[], None]  # lets every copy finish and drop its tensors (they hold storages)
-    unpack: list[bool] = field(default_factory=list)
-    clock: list[int] = field(default_factory=list)
-    slot: list[int] = field(default_factory=list)
-    slot_sid: dict[int, int] = field(default_factory=dict)
-    slot_bytes: dict[int, int] = field(default_factory=dict)
-    held: frozenset[int] = frozenset()  # slots held past forward by more than the saved tensors
-    _backward: bool = False  # an unpack came
-    _storages: dict[int, weakref.ref] = field(default_factory=dict)
-    _tensors: dict[int, list[weakref.ref]] = field(default_factory=dict)
-
-    def packed(self, slot: int, t: Tensor, storage: torch.UntypedStorage | None) -> None:
-        if slot not in self.slot_sid:
-            sid = -1 if storage is None else self.sid_of(storage)
-            self.slot_sid[slot] = sid
-            self.slot_bytes[slot] = self.size_of(sid) if sid >= 0 else 0
-            if storage is not None:
-                self._storages[slot] = weakref.ref(storage)
-                self._tensors[slot] = []
-        if slot in self._tensors:
-            self._tensors[slot].append(weakref.ref(t))
-        self.unpack.append(False)
-        self.clock.append(self.clock_of())
-        self.slot.append(slot)
-
-    def unpacked(self, slot: int) -> None:
-        if not self._backward:
-            self._backward = True
-            self.held = self._held_past_forward()
-        self.unpack.append(True)
-        self.clock.append(self.clock_of())
-        self.slot.append(slot)
-
-    def _held_past_forward(self) -> frozenset[int]:
-        """Slots whose storage more tensors reference than the saved ones (and their bases):
-        Python (or a closure, or ``ctx``) holds it, so the fast path could not free it."""
-        self.settle()
-        held = []
-        for slot, ref in self._storages.items():
-            storage = ref()
-            if storage is None or self.slot_sid[slot] < 0:
-                continue
-            ours: dict[int, Tensor] = {}
-            packs: dict[int, int] = {}  # tensor object -> packs of it (each packed tuple refers to it)
-            for tref in self._tensors[slot]:
-                t = tref()
-                if t is not None:
-                    ours[id(t)] = t
-                    packs[id(t)] = packs.get(id(t), 0) + 1
-                    base = t._base
-                    if base is not None and id(base) not in ours:
-                        ours[id(base)] = base
-                        packs.setdefault(id(base), 0)
-            del t
-            # a tensor the saved ones do not explain holds the storage (one reference is the
-            # storage object we hold here), or Python holds a saved tensor itself (beyond its
-            # packs, ``ours`` and ``getrefcount``'s argument)
-            if torch._C._storage_Use_Count(storage._cdata) - 1 > len(ours) or any(
-                    n and sys.getrefcount(ours[k]) > n + 2 for k, n in packs.items()):
-                held.append(slot)
-        return frozenset(held)
-
-
-@dataclass(frozen=True, slots=True)
-class MoveSchedule:
-    """The plan's actions by event: ``actions[e]`` are (code, slot) pairs run at event ``e``."""
-
-    actions: dict[int, tuple[tuple[int, int], ...]]
-    moved_slots: frozenset[int]
-    slots: tuple[int, ...]  # each event's slot, as the checked replay saw it
-    forward_end: int  # the first unpack event
-    host_bytes: int  # the moved storages' bytes, as the checked replay measured them (aligned)
-    slot_sid: dict[int, int]  # each moved slot's storage id in the plan
-    planned: tuple[int, ...]  # the plan's most resident bytes from each event to the next
-    backward_peak: int  # the most of them from forward's end on
-
-    @classmethod
-    def build(cls, log: EventLog, program: ReplayProgram) -> MoveSchedule | Refusal:
-        """The schedule, or why this plan cannot run at saved-tensor events (and which
-        storages it would have to keep on the device to run there)."""
-        n_events = len(log.clock)
-        clock = np.asarray(log.clock, dtype=np.int64)
-        unpacks = np.flatnonzero(np.asarray(log.unpack, dtype=bool))
-        forward_end = int(unpacks[0]) if len(unpacks) else n_events
-        slot_of: dict[int, int] = {}
-        for slot, sid in log.slot_sid.items():
-            if sid >= 0:
-                slot_of.setdefault(sid, slot)
-        bad = {sid: "no saved tensor holds it" for sid in sorted(program.moved - slot_of.keys())}
-        for slot in log.held:
-            sid = log.slot_sid[slot]
-            if sid in program.moved and slot_of.get(sid) == slot:
-                bad.setdefault(sid, "Python holds it past forward")
-        slots_arr = np.asarray(log.slot, dtype=np.int64)
-        unpacks_of = {int(slot): unpacks[slots_arr[unpacks] == slot]
-                      for slot in np.unique(slots_arr[unpacks])}
-        first_pack: dict[int, int] = {}
-        for e in range(forward_end):
-            first_pack.setdefault(log.slot[e], e)
-        actions: dict[int, list[tuple[int, int]]] = {}
-        copied_at: dict[int, int] = {}
-        released: dict[int, bool] = {}
-        paged: set[int] = set()
-        for j in np.flatnonzero(np.diff(np.asarray(program.act_start, dtype=np.int64))).tolist():
-            point = j // 2 + (j & 1)  # op i's pre list runs before op i, its post list after
-            for code, sid in program.actions(j):
-                if code == RELEASE_HOST or sid in bad:  # host slabs go back when the step ends
-                    continue
-                slot = slot_of[sid]
-                if code == H2D:
-                    e = int(np.searchsorted(clock, point, "left")) - 1
-                    # a backward node unpacks all it saved before its first op: the page-in
-                    # must come before the unpack of this storage that the plan's reads follow
-                    u = unpacks_of.get(slot)
-                    if u is not None:
-                        k = int(np.searchsorted(clock[u], point, "right")) - 1
-                        if k >= 0 and e >= u[k]:
-                            e = int(u[k]) - 1
-                    if e < forward_end:
-                        bad[sid] = "the plan pages it back in during forward"
-                else:
-                    e = max(int(np.searchsorted(clock, point, "left")), first_pack.get(slot, n_events))
-                    if code == D2H:
-                        if e >= forward_end:
-                            bad[sid] = "the plan copies it out after forward"
-                        elif slot in copied_at:  # written in between: the first copy went stale
-                            bad[sid] = "the plan copies it out twice"
-                        copied_at[slot] = e
-                    elif code in (RELEASE, RELEASE_FINAL):
-                        if slot not in copied_at:
-                            bad[sid] = "the plan releases it before copying it out"
-                        e = max(e, copied_at.get(slot, e))
-                        if copied_at.get(slot, n_events) < forward_end <= e and not released.get(slot):
-                            # dropping our reference early never hurts a read (Python's own
-                            # references keep the bytes), and forward's end sees it held or gone
-                            e = forward_end - 1
-                        released[slot] = True
-                if e < n_events and sid not in bad:
-                    actions.setdefault(e, []).append((code, slot))
-                    if code == H2D:
-                        paged.add(slot)
-        # A storage the plan lets go of for good in forward may still be unpacked in backward
-        # (a backward that reads only its shape): the fast path must rebuild it, so it pages it
-        # in an event ahead and lets go after its last unpack.
-        for slot in {slot_of[sid] for sid in program.moved if sid not in bad} - paged:
-            uses = [e for e in range(forward_end, n_events) if log.unpack[e] and log.slot[e] == slot]
-            if uses:
-                actions.setdefault(max(uses[0] - 1, forward_end), []).append((H2D, slot))
-                if uses[-1] + 1 < n_events:
-                    actions.setdefault(uses[-1] + 1, []).append((RELEASE, slot))
-        if bad:
-            sid, why = next(iter(bad.items()))
-            held = {log.slot_sid[slot] for slot in log.held} - {-1}  # a re-plan must not move these either
-            return Refusal(f"{len(bad)} moved storage(s) cannot move at saved-tensor events "
-                           f"(storage {sid}: {why})", frozenset(bad) | frozenset(held))
-        moved = frozenset(slot_of[s] for s in program.moved)
-        planned = _ahead(np.asarray(program.planned_resident, dtype=np.int64), clock)
-        return cls({e: tuple(a) for e, a in actions.items()}, moved, tuple(log.slot), forward_end,
-                   sum(aligned(log.slot_bytes[slot]) for slot in moved),
-                   {slot_of[s]: s for s in program.moved},
-                   planned, max(planned[forward_end:], default=0))
-
-
-def _ahead(resident: np.ndarray, clock: np.ndarray) -> tuple[int, ...]:
-    """Per event: the most the plan holds from the op before it up to the op before the next
-    event, so a check at an event covers the ops it lets run."""
-    if not len(resident) or not len(clock):
-        return tuple(0 for _ in clock)
-    start = np.clip(clock - 1, 0, len(resident) - 1)
-    seg = np.maximum.reduceat(resident, start)
-    end = np.append(start[1:], len(resident) - 1)
-    return tuple(np.maximum(seg, resident[end]).tolist())
-
-
-@dataclass(frozen=True, slots=True)
-class Refusal:
-    """Why a plan cannot take the fast path, and the storages it would have to keep."""
-
-    why: str
-    sids: frozenset[int]
 
 
 def checked_version(t: Tensor, version: int) -> Tensor:
@@ -375,7 +166,8 @@ class MovingStep:
         planned = schedule.planned[e] if e != schedule.forward_end - 1 else max(
             schedule.planned[e], schedule.backward_peak)
         resident = planned + sum(s.nbytes for _, s in held)
-        if resident > self.budget_bytes and self._settle(held):  # copies still reading some: done now
+        if resident > self.budget_bytes:  # copies still reading some keep them: finish those, look again
+            self._settle(held)
             held = self._held = [(slot, s) for slot, s in held if s.original() is not None]
             resident = planned + sum(s.nbytes for _, s in held)
         if resident > self.worst:
@@ -387,15 +179,13 @@ class MovingStep:
                 self.on_held(f"{len(held)} storage(s) the plan released are still held by Python, over the "
                              f"budget (storage {self.schedule.slot_sid[held[0][0]]} first)")
 
-    def _settle(self, held: list[tuple[int, _Slot]]) -> bool:
+    def _settle(self, held: list[tuple[int, _Slot]]) -> None:
         """Wait for the copies out of these storages: a copy in flight keeps its source alive
-        (as the residency manager's pending frees do), which is not Python holding it.
-        True: look again."""
+        (as the residency manager's pending frees do), which is not Python holding it."""
         for _, s in held:
             if s.d2h is not None and not self.engine.is_done(s.d2h):
                 self.engine.finish(s.d2h)
         self.engine.poll()  # finished copies let go of their tensors here
-        return True
 
     def _run(self, acts: tuple[tuple[int, int], ...], e: int) -> None:
         slots = self.slots
@@ -427,7 +217,7 @@ class MovingStep:
                 self._slab_bytes = got[0].numel()
         slab, cut = self._slab, self._cut
         if slab is not None and cut + nbytes <= self._slab_bytes:
-            self._cut = cut + (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN  # ``host_pool.aligned``, inline
+            self._cut = cut + aligned(nbytes)
             after = self._slab_after
             if after is not None and self.engine.is_done(after):
                 after = self._slab_after = None
@@ -446,10 +236,7 @@ class MovingStep:
         if got is None:  # the host pool's cap: the storage stays on the device
             return
         s.host, after = got
-        # ``byte_view``, inline where no inference mode makes the view an inference tensor
-        src = (byte_view(storage) if _inference() else
-               torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage))
-        s.d2h = self.engine.copy_d2h(s.host, src, after, slot)
+        s.d2h = self.engine.copy_d2h(s.host, byte_view(storage), after, slot)
         self.bytes_d2h += s.nbytes
 
     def _page_in(self, s: _Slot) -> torch.UntypedStorage:

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from hyperpar.offload.capture.fast_moves import EventLog, MovingStep, checked_version
+from hyperpar.offload.capture.fast_moves import MovingStep, checked_version
+from hyperpar.offload.capture.fast_schedule import EventLog
 
 Tensor = torch.Tensor
 Fingerprint = tuple[Any, ...]
@@ -48,9 +49,8 @@ class SavedTensorGuard:
         self._expected = expected
         self._on_departure = on_departure
         self._other_size = other_size
-        self.log, self.moving = log, moving
-        if moving is not None:
-            moving.on_held = self._held
+        self.log, self.moving = log, None
+        self._follow(expected, moving)
         self.unpack: Callable[[Any], Tensor] = (self._fast_unpack if expected is not None
                                                 else self._logged_unpack if log is not None else _unpack)
         # storage address -> its slot (first seen order) and the storage, weakly: a storage
@@ -128,18 +128,19 @@ class SavedTensorGuard:
         found = None if self._other_size is None else self._other_size(fp)
         if found is None:
             return False
-        self._expected, self.moving = found
-        if self.moving is not None:
-            self.moving.on_held = self._held
+        self._follow(*found)
         return True
+
+    def _follow(self, expected: tuple[Fingerprint, ...] | None, moving: MovingStep | None) -> None:
+        self._expected, self.moving = expected, moving
+        if moving is not None:
+            moving.on_held = self._held
 
     def _fast_unpack(self, packed: tuple[Any, ...]) -> Tensor:
         """A fast step's unpack: its moves' (a plan may be swapped for another size's at the
         first saved tensor, after autograd took this function for it)."""
         moving = self.moving
-        if moving is not None:
-            return moving.unpack(packed)
-        return checked_version(packed[0], packed[1])
+        return _unpack(packed) if moving is None else moving.unpack(packed)
 
     def _depart(self, k: int, why: str) -> None:
         self.departed_at, self.why = k, why
