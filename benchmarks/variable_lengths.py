@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = {"variable": 0, "fixed": 0}
     warmups = diverged = over = 0
     worst = 0.0
+    paths: dict[str, int] = {}  # the random-length session's steps by replay path
     marks: dict[int, dict[str, float]] = {}
     for step, length in enumerate(tqdm(lengths, desc="steps", file=sys.stderr)):
         ids = torch.randint(0, 256, (2, length), generator=gen)
@@ -92,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         report = variable.last_report
         assert report is not None
         warmups += report.phase == "warmup"
+        path = report.replay_path or report.phase
+        paths[path] = paths.get(path, 0) + 1
         diverged += report.diverged_at is not None
         worst = max(worst, report.peak_resident_bytes / budget)
         over += report.peak_resident_bytes > budget * 1.05
@@ -106,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_average": list(map(float, open("/proc/loadavg").read().split()[:3])),
         "steps": args.steps, "lengths": "uniform 32..256, batch 2", "budget_bytes": budget,
         "warmups": warmups, "diverged_steps": diverged, "steps_over_1_05_budget": over,
-        "max_peak_over_budget": worst,
+        "max_peak_over_budget": worst, "replay_paths": paths,
         "plans": {str(k): len(s.sizes) for k, s in variable._structures.items()},
         "at_step": marks,
         "cpu_us_per_token": per_token,
@@ -117,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     write("variable_lengths", args.out, doc, started)
     print(json.dumps({k: doc[k] for k in ("warmups", "diverged_steps", "steps_over_1_05_budget",
-                                          "max_peak_over_budget", "at_step", "offload_over_plain",
+                                          "max_peak_over_budget", "replay_paths", "at_step",
+                                          "offload_over_plain",
                                           "variable_over_fixed_per_token_in_session")}, indent=1))
     print(f"wrote {args.out}")
     return 0

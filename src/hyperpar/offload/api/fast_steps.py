@@ -4,6 +4,7 @@ what a departure switches to, and what the session learns from a fast or checked
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import replace
@@ -17,7 +18,7 @@ from hyperpar.offload.capture.fast_moves import MovingStep
 from hyperpar.offload.capture.fast_replay import FallbackExecutor
 from hyperpar.offload.capture.fast_schedule import EventLog, MoveSchedule, Refusal
 from hyperpar.offload.capture.replay_program import size_bucket
-from hyperpar.offload.capture.saved_tensor_guard import SavedTensorGuard
+from hyperpar.offload.capture.saved_tensor_guard import SavedTensorGuard, covers, covers_all
 from hyperpar.offload.ir.report import StepReport
 
 logger = logging.getLogger("hyperpar.offload.api.session")
@@ -25,7 +26,7 @@ logger = logging.getLogger("hyperpar.offload.api.session")
 MAX_REFINEMENTS = 5  # re-plans of a plan, each keeping more storages on the device for the fast path
 FAST_DEPARTURES = 2  # fast steps of a structure that departed, after which it stays checked
 LEARN_STEPS = 4  # checked steps, at most, for a size's plan to learn its saved tensors
-MAX_SIZE_MISSES = 3  # steps of a size no plan learned, after which the structure stays checked
+MAX_SIZE_MISSES = 3  # steps in a row no plan covered (none fast, nothing learned between): stay checked
 
 
 class FastSteps:
@@ -82,9 +83,8 @@ class FastSteps:
 
     def _start_fast(self, plan: Plan) -> None:
         moving = self._moving_for(plan)
-        sizes = self._structures[plan.signature].sizes
-        other = self._other_size if len(sizes) > 1 else None
-        guard = SavedTensorGuard(plan.packs, self._fall_back, moving=moving, other_size=other).__enter__()
+        guard = SavedTensorGuard(plan.packs, self._fall_back, moving=moving, other_size=self._other_size)
+        guard.__enter__()
         self._fast = FastStep(plan, guard, time.perf_counter(), threading.get_ident(), moving)
 
     def _moving_for(self, plan: Plan) -> MovingStep | None:
@@ -97,16 +97,23 @@ class FastSteps:
 
     def _other_size(self, first: Any) -> tuple[Any, MovingStep | None] | None:
         """A fast step whose first saved tensor is not its plan's (another sequence length):
-        the structure's plan for that size, when one ran clean and may go fast, takes over."""
+        the structure's plan for that size, when one ran clean and may go fast, takes over;
+        else the plan with the smallest first saved tensor that covers the step's (a shorter
+        length: ``covers``), whose saved tensors the rest of the step must fit in."""
         fast = self._fast
         if fast is None or threading.get_ident() != fast.thread:
             return None
-        for plan in self._structures[fast.plan.signature].sizes.values():
-            if plan is not fast.plan and plan.packs and plan.packs[0] == first and self._fast_ok(plan):
-                fast.plan, fast.moving = plan, self._moving_for(plan)
-                self._running = plan
-                return plan.packs, fast.moving
-        return None
+        plans = [p for p in self._structures[fast.plan.signature].sizes.values() if p.packs]
+        found = next((p for p in plans if p.packs[0] == first and self._fast_ok(p)), None)
+        if found is None:
+            covering = [p for p in plans if covers(p.packs[0], first) and self._fast_ok(p)]
+            if not covering:
+                return None
+            found = min(covering, key=lambda p: math.prod(p.packs[0][0]))
+        if found is not fast.plan:
+            fast.plan, fast.moving = found, self._moving_for(found)
+            self._running = found
+        return found.packs, fast.moving
 
     def _exit_fast(self, fast: FastStep, clean: bool) -> None:
         """A fast step that needed no fallback: its report, and what the session learns."""
@@ -132,7 +139,9 @@ class FastSteps:
             if moving.held_past_release:
                 held = moving.held_sids
         complete = fast.guard.complete()
-        if not complete:  # it ended early or departed in backward: peak unmeasured
+        if complete:
+            structure.size_misses = 0
+        else:  # it ended early or departed in backward: peak unmeasured
             report.departed_at_saved = (fast.guard.count if fast.guard.departed_at is None
                                         else fast.guard.departed_at)
         plan.floor.annotate(report)
@@ -152,10 +161,10 @@ class FastSteps:
         structure = self._structures[plan.signature]
         report.held_past_release_bytes = executor.held_bytes
         if executor.departed_at == 0 and not executor.held_sids:
-            # at its first saved tensor, nothing moved yet: another size, whose plan has not
-            # learned its saved tensors (else the guard took it); checked steps teach it. A
-            # structure whose lengths keep changing (each its own fingerprint) stays checked:
-            # the checked replay follows any length, the fast path only ones it has seen
+            # at its first saved tensor, nothing moved yet: a size no learned plan covers
+            # (else the guard took it), longer than any learned; checked steps teach it. A
+            # structure that keeps missing with nothing learned between stays checked: the
+            # checked replay follows any length, the fast path only ones a plan covers
             structure.to_learn = LEARN_STEPS
             structure.size_misses += 1
             if structure.size_misses > MAX_SIZE_MISSES:
@@ -205,8 +214,15 @@ class FastSteps:
                 if not self._refine(plan, schedule.sids):
                     logger.debug("this plan keeps the checked replay: %s", schedule.why)
                 return
+        else:
+            schedule = None
+        packs = tuple(recorder.fingerprints)
+        if plan.packs is not None and covers_all(plan.packs, packs):
+            return  # what the plan learned covers this step's: it keeps fitting longer steps
+        if schedule is not None:
             plan.move_schedule = schedule
-        plan.packs = tuple(recorder.fingerprints)
+        structure.size_misses = 0  # lengths up to this step's go fast now: not a miss streak
+        plan.packs = packs
 
     def _refine(self, plan: Plan, keep: frozenset[int]) -> bool:
         """Plan the same trace again with ``keep`` on the device, for a plan the fast path can
@@ -242,11 +258,12 @@ class FastSteps:
         if not (isinstance(executor, ReplayExecutor) and running is not None and self.config.fast_replay):
             return None
         structure = self._structures.get(running.signature)
+        # a plan that learned its saved tensors may learn a longer step's (``_learn_packs``)
         if structure is None or not any(  # the step may end on any size's plan (replay switches)
-                p.moves and p.packs is None and p.program.planned_peak <= self._budget_bytes
+                p.moves and p.program.planned_peak <= self._budget_bytes
                 and (p.fast_refusal is None or p.refinements < MAX_REFINEMENTS)
                 for p in structure.sizes.values()):
-            return None  # nothing to learn: they run fast already, or never will
+            return None  # nothing to learn: they never run fast
         table = executor.table
         sid_of, nbytes = table.sid_of, table.nbytes
         engine = self._manager.engine

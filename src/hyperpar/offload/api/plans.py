@@ -67,7 +67,7 @@ class Structure:
     # steps to check before going fast again: a step of a size whose plan has not run a clean
     # checked replay yet fell back at its first saved tensor, so its plan needs one
     to_learn: int = 0
-    size_misses: int = 0  # such fallbacks: lengths that vary step to step keep a structure checked
+    size_misses: int = 0  # such fallbacks in a row (a fast step or a learned plan resets it)
 
 
 def signature_of(packed: PackedTrace, keys: list[object]) -> int:

@@ -74,6 +74,7 @@ class MovingStep:
         self.budget_bytes = budget_bytes
         self._actions = schedule.actions
         self._moved = schedule.moved_slots
+        self._slot_bytes = schedule.slot_bytes
         self.engine, self.pool, self.device = engine, pool, device
         self.slots: dict[int, _Slot] = {}
         self.event = 0
@@ -81,10 +82,14 @@ class MovingStep:
         self.bytes_d2h = self.bytes_h2d = self.demand_faults = 0
         self.held_past_release = 0  # bytes released that Python still held when forward ended
         self.held_sids: frozenset[int] = frozenset()  # their storage ids in the plan
-        # told when a storage released in forward is still alive an event later (Python
-        # holds it): the step cannot keep the plan's budget without the dispatch mode
+        # told when the step cannot keep the plan's budget without the dispatch mode: a storage
+        # released in forward is still alive an event later (Python holds it), or a storage
+        # is larger than the plan's
         self.on_held: Callable[[str], None] | None = None
         self._held: list[tuple[int, _Slot]] = []  # released while Python held them, still to die
+        # their bytes, counted when released: dead ones stay counted until a look that may
+        # change something (the plan's bytes plus this reaching ``worst``) drops them
+        self._held_bytes = 0
         self.worst = 0  # the most the plan's resident bytes plus held ones reached at an event
         self._slab: Tensor | None = None  # the step's host slab, cut from ``_cut`` on
         self._slab_after: Any = None  # the last copy that used the slab's memory before
@@ -100,7 +105,16 @@ class MovingStep:
         if slot in self._moved:
             s = self.slots.get(slot)
             if s is None:
-                s = self.slots[slot] = _Slot(t.untyped_storage())
+                storage = t.untyped_storage()
+                if storage.nbytes() > self._slot_bytes[slot] and self.on_plan:
+                    # larger than the plan's (a step its saved tensors cover in shape, with
+                    # a larger base): the plan's bytes no longer bound the step's
+                    self.on_plan = False
+                    if self.on_held is not None:
+                        self.on_held(f"storage {self.schedule.slot_sid[slot]} is {storage.nbytes()} bytes, "
+                                     f"the plan's {self._slot_bytes[slot]}")
+                    return t, version, slot
+                s = self.slots[slot] = _Slot(storage)
         if self.on_plan:
             if self._held:
                 self._check_held(e)
@@ -157,27 +171,37 @@ class MovingStep:
         lets go (a layer's input the caller holds until the layer returns): at event ``e``
         the plan's resident bytes plus those must still fit the budget. In forward, a step
         they do not fit in goes on with the dispatch mode (``on_held``), which can evict them."""
-        held = self._held = [(slot, s) for slot, s in self._held if s.original() is not None]
-        if not held:
-            return
         schedule = self.schedule
         # at forward's last saved tensor, what is still held will most likely be held through
         # backward: it must fit beside the plan's bytes there too
         planned = schedule.planned[e] if e != schedule.forward_end - 1 else max(
             schedule.planned[e], schedule.backward_peak)
-        resident = planned + sum(s.nbytes for _, s in held)
+        if planned + self._held_bytes <= self.worst:
+            # the count is at least what is still held: nothing can be over ``worst`` (which
+            # is within the budget while the step is on its plan in forward), so no look
+            return
+        held = self._alive_held()
+        if not held:
+            return
+        resident = planned + self._held_bytes
         if resident > self.budget_bytes:  # copies still reading some keep them: finish those, look again
             self._settle(held)
-            held = self._held = [(slot, s) for slot, s in held if s.original() is not None]
-            resident = planned + sum(s.nbytes for _, s in held)
+            held = self._alive_held()
+            resident = planned + self._held_bytes
         if resident > self.worst:
             self.worst = resident
         if resident > self.budget_bytes and e < self.schedule.forward_end:
-            self.held_past_release = sum(s.nbytes for _, s in held)
+            self.held_past_release = self._held_bytes
             self.held_sids = frozenset(self.schedule.slot_sid[slot] for slot, _ in held)
             if self.on_held is not None:
                 self.on_held(f"{len(held)} storage(s) the plan released are still held by Python, over the "
                              f"budget (storage {self.schedule.slot_sid[held[0][0]]} first)")
+
+    def _alive_held(self) -> list[tuple[int, _Slot]]:
+        """``_held`` without the storages that died, and ``_held_bytes`` exact again."""
+        held = self._held = [(slot, s) for slot, s in self._held if s.original() is not None]
+        self._held_bytes = sum(s.nbytes for _, s in held)
+        return held
 
     def _settle(self, held: list[tuple[int, _Slot]]) -> None:
         """Wait for the copies out of these storages: a copy in flight keeps its source alive
@@ -205,6 +229,7 @@ class MovingStep:
                 out = True
                 if s.original() is not None:
                     self._held.append((slot, s))
+                    self._held_bytes += s.nbytes
         if out:  # finished copies out let go of their sources (released storages) here
             self.engine.poll()
 

@@ -116,6 +116,7 @@ class MoveSchedule:
     forward_end: int  # the first unpack event
     host_bytes: int  # the moved storages' bytes, as the checked replay measured them (aligned)
     slot_sid: dict[int, int]  # each moved slot's storage id in the plan
+    slot_bytes: dict[int, int]  # each moved slot's size, as the checked replay measured it
     planned: tuple[int, ...]  # the plan's most resident bytes from each event to the next
     backward_peak: int  # the most of them from forward's end on
 
@@ -202,7 +203,7 @@ class MoveSchedule:
         planned = _ahead(np.asarray(program.planned_resident, dtype=np.int64), clock)
         return cls({e: tuple(a) for e, a in actions.items()}, moved, tuple(log.slot), forward_end,
                    sum(aligned(log.slot_bytes[slot]) for slot in moved),
-                   {slot_of[s]: s for s in program.moved},
+                   {slot_of[s]: s for s in program.moved}, {slot: log.slot_bytes[slot] for slot in moved},
                    planned, max(planned[forward_end:], default=0))
 
 

@@ -34,8 +34,9 @@ class SavedTensorGuard:
     """``pack``/``unpack`` for ``torch.autograd.graph.saved_tensors_hooks``: records the
     fingerprints of a step's saved tensors (``expected=None``) or checks them."""
 
-    __slots__ = ("_expected", "_next_slot", "_on_departure", "_other_size", "_slots", "count", "departed_at",
-                 "fingerprints", "lifted", "log", "moving", "storages", "unpack", "why")
+    __slots__ = ("__weakref__", "_covering", "_expected", "_next_slot", "_on_departure", "_other_size",
+                 "_slots", "count", "departed_at", "fingerprints", "lifted", "log", "moving", "storages",
+                 "unpack", "why")
 
     def __init__(self, expected: tuple[Fingerprint, ...] | None = None,
                  on_departure: Callable[[int, str], None] | None = None, *,
@@ -45,8 +46,11 @@ class SavedTensorGuard:
         moves bytes); ``moving``: run that plan's moves at those events (a fast step);
         ``other_size``: given the first saved tensor's fingerprint when it is not the plan's,
         the saved tensors and moves of the structure's plan for that size, if it has one (a
-        step of another sequence length takes that plan's fast path: nothing has moved yet)."""
+        step of another sequence length takes that plan's fast path: nothing has moved yet). A
+        plan whose saved tensors *cover* the step's (``covers``: a shorter length) takes it
+        too, and the rest of its saved tensors are then compared by ``covers``."""
         self._expected = expected
+        self._covering = False
         self._on_departure = on_departure
         self._other_size = other_size
         self.log, self.moving = log, None
@@ -72,6 +76,13 @@ class SavedTensorGuard:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        # The moves' callback into the guard and ``unpack`` (bound to the guard, kept on it)
+        # made reference cycles: each step's guard and all it held waited for the garbage
+        # collector (measured: HF Llama's fast step at 50 %, 1.42x plain with them, 1.35x
+        # when collected between steps). Autograd keeps its own reference to ``unpack``.
+        if self.moving is not None:
+            self.moving.on_held = None
+        self.unpack = _unpack
         _local.guards.remove(self)
         top = torch._C._autograd._top_saved_tensors_default_hooks(True)
         if top is not None and top[0] == self.pack:
@@ -113,7 +124,8 @@ class SavedTensorGuard:
             if self.log is not None:
                 self.log.packed(fp[2], t, _storage(t))
                 return t, t._version, fp[2]
-        elif self.departed_at is None and (k >= len(expected) or expected[k] != fp):
+        elif self.departed_at is None and (k >= len(expected) or expected[k] != fp) and not (
+                self._covering and k < len(expected) and covers(expected[k], fp)):
             if not (k == 0 and self._resized(fp)):
                 self._depart(k, "more saved tensors than the plan's" if k >= len(expected)
                              else f"saved tensor {k} is {_describe(fp)}, the plan's {_describe(expected[k])}")
@@ -129,6 +141,7 @@ class SavedTensorGuard:
         if found is None:
             return False
         self._follow(*found)
+        self._covering = found[0][0] != fp
         return True
 
     def _follow(self, expected: tuple[Fingerprint, ...] | None, moving: MovingStep | None) -> None:
@@ -216,6 +229,23 @@ def _storage(t: Tensor) -> torch.UntypedStorage | None:
         return t.untyped_storage()
     except (RuntimeError, NotImplementedError):
         return None
+
+
+def covers(planned: Fingerprint, fp: Fingerprint) -> bool:
+    """Whether a saved tensor ``fp`` fits in the plan's ``planned`` one: the same dtype, storage
+    (the aliasing), version and rank, and no dimension or offset larger. A plan whose saved
+    tensors cover a step's holds at least its bytes at every point, so its moves keep the
+    budget; they stay correct whatever the sizes (a move takes the step's own storage, and
+    unpack rebuilds each tensor with its own shape, strides and offset)."""
+    shape, dtype, slot, offset, version = fp
+    p_shape = planned[0]
+    return (dtype == planned[1] and slot == planned[2] and version == planned[4] and offset <= planned[3]
+            and len(shape) == len(p_shape) and all(a <= b for a, b in zip(shape, p_shape, strict=True)))
+
+
+def covers_all(planned: tuple[Fingerprint, ...], fps: tuple[Fingerprint, ...] | list[Fingerprint]) -> bool:
+    """Whether every saved tensor of a step fits in the plan's (``covers``), one for one."""
+    return len(planned) == len(fps) and all(covers(p, f) for p, f in zip(planned, fps, strict=True))
 
 
 def _describe(fp: Fingerprint) -> str:
