@@ -166,7 +166,7 @@ def measure(w: Workload, reps: int, warmup_reps: int) -> dict[str, Any]:
         floors[key] = {"budget_bytes": report.budget_bytes, "peak_resident_bytes": report.peak_resident_bytes,
                        "min_feasible_budget_bytes": report.min_feasible_budget_bytes,
                        "bytes_d2h": report.bytes_d2h, "replay_path": report.replay_path,
-                       "fast_refusal": None if session._running is None else session._running.fast_refusal}
+                       "fast_refusal": getattr(session._running, "fast_refusal", None)}  # older: none
     warm_plain, warm = [], []
     for _ in range(warmup_reps):  # each warmup needs a fresh session
         p = _cpu(w, None)
