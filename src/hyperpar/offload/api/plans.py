@@ -10,6 +10,7 @@ import numpy as np
 from hyperpar.offload.capture import ReplayProgram
 from hyperpar.offload.capture.fast_moves import MovingStep
 from hyperpar.offload.capture.fast_schedule import MoveSchedule
+from hyperpar.offload.capture.prefix_hash import key_hashes
 from hyperpar.offload.capture.saved_tensor_guard import Fingerprint, SavedTensorGuard
 from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
 from hyperpar.offload.ir.packed import PackedTrace
@@ -79,7 +80,7 @@ def signature_of(packed: PackedTrace, keys: list[object]) -> int:
                                           len(ranked)) for metas in st.metas], dtype=np.int64)
     per_op = numbers[np.frombuffer(st.meta_index, dtype=np.int64)] if len(numbers) else numbers
     return hash((
-        tuple(keys), tuple(ranked), per_op.tobytes(), st.has_guides, st.leaf_count.tobytes(),
+        tuple(key_hashes(keys)), tuple(ranked), per_op.tobytes(), st.has_guides, st.leaf_count.tobytes(),
         st.bind_start.tobytes(), st.bind_leaf.tobytes(), st.bind_sid.tobytes(),
         st.input_start.tobytes(), st.input_sid.tobytes(),
         st.access_start.tobytes(), st.access_sid.tobytes(), st.access_write,

@@ -46,15 +46,20 @@ def _segments(start: array, *columns: array) -> np.ndarray:
     return (cumulative[bounds[1:]] - cumulative[bounds[:-1]]) ^ _mix(counts.view(np.uint64))
 
 
+def key_hashes(keys: Sequence[Any]) -> list[int]:
+    """``hash`` of each key, computed once per distinct key (by identity): an OpOverload's
+    ``__hash__`` is Python code, ~1 µs a call, and a trace repeats a few dozen ops."""
+    ids = list(map(id, keys))
+    once = {i: hash(k) for i, k in dict(zip(ids, keys, strict=True)).items()}
+    return list(map(once.__getitem__, ids))
+
+
 def prefix_hashes(keys: Sequence[Any], in_start: array, in_sid: array, bind_start: array, bind_leaf: array,
                   bind_sid: array, meta_hash: Sequence[int], region_hash: dict[int, int]) -> array:
     n = len(keys)
     if n == 0:
         return array("q")
-    ids = list(map(id, keys))
-    # hash() of an OpOverload is Python code: once per distinct key
-    key_hash = {i: hash(k) for i, k in dict(zip(ids, keys, strict=True)).items()}
-    op = _u64(list(map(key_hash.__getitem__, ids)))
+    op = _u64(key_hashes(keys))
     for part in (_segments(in_start, in_sid), _segments(bind_start, bind_leaf, bind_sid), _u64(meta_hash)):
         op = _mix(op ^ part) + np.uint64(1)
     if region_hash:

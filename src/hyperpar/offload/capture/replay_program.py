@@ -268,7 +268,9 @@ def _structure(trace: ActivationTrace, keys: list[Any], packed: PackedTrace) -> 
         region_hash[i] = hash(tuple(sorted(region.items())))
     in_start, in_sid, bind_start = st.input_start, st.input_sid, st.bind_start
     bind_leaf, bind_sid = st.bind_leaf, st.bind_sid
-    nested = {key: NESTED_INPUTS if isinstance(key, str) or nested_tensors(key) else 0 for key in set(keys)}
+    # by identity: an OpOverload hashes in Python (see ``key_hashes``)
+    nested = {id(key): NESTED_INPUTS if isinstance(key, str) or nested_tensors(key) else 0
+              for key in dict(zip(map(id, keys), keys, strict=True)).values()}
     starts = _np(bind_start)
     binds = np.diff(starts)
     leaves = _np(bind_leaf)
@@ -279,7 +281,7 @@ def _structure(trace: ActivationTrace, keys: list[Any], packed: PackedTrace) -> 
         keys=tuple(keys), calls=tuple(k._op if type(k) is OpOverload else k for k in keys),
         names=st.names, in_start=in_start, in_sid=in_sid,
         bind_start=bind_start, bind_leaf=bind_leaf, bind_sid=bind_sid,
-        structure_flags=(np.frombuffer(bytes(map(nested.__getitem__, keys)), dtype=np.uint8)
+        structure_flags=(np.frombuffer(bytes(map(nested.__getitem__, map(id, keys))), dtype=np.uint8)
                          | (binds > 0) * BINDS
                          | ((binds > 1) | ((binds == 1) & (first_leaf != 0))) * BINDS_OTHER
                          ).astype(np.uint8).tobytes(),
