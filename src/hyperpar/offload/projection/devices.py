@@ -39,12 +39,13 @@ class HostCosts:
     """Host µs per op on each path: plain PyTorch, the session's replay and its warmup (trace).
 
     Defaults are CPU-measured; pass the ones a GPU run measured when there are some. Replay
-    is the fast path's (``benchmarks/results/host_cost.json``: HF Llama at 50 % of its peak,
-    1.35x plain; the dispatch-mode replay it replaced was 2.87x, ``host_cost_996f7f8.json``)."""
+    and warmup are plain's times the ratios ``benchmarks/results/host_cost.json`` measured on
+    HF Llama at 50 % of its peak: the fast path's 1.47x (the dispatch-mode replay it replaced
+    was 3.50x, ``host_cost_996f7f8.json``) and warmup's 4.46x."""
 
     plain_us: float = 6.0
-    replay_us: float = 8.0
-    warmup_us: float = 30.0
+    replay_us: float = 8.8
+    warmup_us: float = 27.0
 
     def __post_init__(self) -> None:
         for field_name in ("plain_us", "replay_us", "warmup_us"):
