@@ -39,9 +39,9 @@ class HostCosts:
     """Host µs per op on each path: plain PyTorch, the session's replay and its warmup (trace).
 
     Defaults are CPU-measured; pass the ones a GPU run measured when there are some. Replay
-    and warmup are plain's times the ratios ``benchmarks/results/host_cost.json`` measured on
-    HF Llama at 50 % of its peak: the fast path's 1.47x (the dispatch-mode replay it replaced
-    was 3.50x, ``host_cost_996f7f8.json``) and warmup's 4.46x."""
+    and warmup are plain's times the ratios ``benchmarks/host_cost.py`` measures on HF Llama
+    at 50 % of its peak (2026-12-06, 3f06f0d: the fast path's 1.47x, where the dispatch-mode
+    replay it replaced was 3.50x, ``host_cost_996f7f8.json``; warmup 4.46x, 4.23x since)."""
 
     plain_us: float = 6.0
     replay_us: float = 8.8
