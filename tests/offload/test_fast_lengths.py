@@ -126,3 +126,23 @@ def test_a_fast_step_leaves_no_reference_cycle_for_the_garbage_collector() -> No
         assert [r() for r in seen] == [None, None]
     finally:
         gc.enable()
+
+
+_ROUTED = [48] * 10 + [40, 32, 48, 56, 40]
+
+
+def _routed(x: torch.Tensor, ws: list[torch.Tensor], step: int) -> torch.Tensor:
+    """How many rows reach the second product depends on the data (an MoE expert's tokens):
+    the first saved tensor is the same every step, a later one smaller or larger."""
+    h = torch.tanh(x @ ws[0])
+    picked = torch.index_select(h, 0, torch.arange(_ROUTED[step]))
+    return (picked @ ws[1]).square().mean() + h.sin().mean()
+
+
+def test_a_later_saved_tensor_smaller_than_the_plans_stays_fast_a_larger_one_departs() -> None:
+    budget = _budget(_routed, 0.9)  # (lower, the re-plans for the fast path do not fit)
+    _, reports = _steps(_routed, budget, [64] * len(_ROUTED))
+    paths = [r.replay_path for r in reports]
+    assert paths[9:13] == ["fast"] * 4, paths  # 40 and 32 rows: fast on the 48 plan
+    assert all(r.bytes_d2h > 0 for r in reports[9:13]), reports
+    assert paths[13] == "fallback" and reports[13].departed_at_saved, reports[13]  # 56: over

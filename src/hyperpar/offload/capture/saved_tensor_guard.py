@@ -34,9 +34,9 @@ class SavedTensorGuard:
     """``pack``/``unpack`` for ``torch.autograd.graph.saved_tensors_hooks``: records the
     fingerprints of a step's saved tensors (``expected=None``) or checks them."""
 
-    __slots__ = ("__weakref__", "_covering", "_expected", "_next_slot", "_on_departure", "_other_size",
-                 "_slots", "count", "departed_at", "fingerprints", "lifted", "log", "moving", "storages",
-                 "unpack", "why")
+    __slots__ = ("__weakref__", "_expected", "_next_slot", "_on_departure", "_other_size", "_slots",
+                 "count", "departed_at", "fingerprints", "lifted", "log", "moving", "storages", "unpack",
+                 "why")
 
     def __init__(self, expected: tuple[Fingerprint, ...] | None = None,
                  on_departure: Callable[[int, str], None] | None = None, *,
@@ -48,9 +48,8 @@ class SavedTensorGuard:
         the saved tensors and moves of the structure's plan for that size, if it has one (a
         step of another sequence length takes that plan's fast path: nothing has moved yet). A
         plan whose saved tensors *cover* the step's (``covers``: a shorter length) takes it
-        too, and the rest of its saved tensors are then compared by ``covers``."""
+        too; past the first, a saved tensor the plan's covers is no departure either."""
         self._expected = expected
-        self._covering = False
         self._on_departure = on_departure
         self._other_size = other_size
         self.log, self.moving = log, None
@@ -124,9 +123,11 @@ class SavedTensorGuard:
             if self.log is not None:
                 self.log.packed(fp[2], t, _storage(t))
                 return t, t._version, fp[2]
-        elif self.departed_at is None and (k >= len(expected) or expected[k] != fp) and not (
-                self._covering and k < len(expected) and covers(expected[k], fp)):
-            if not (k == 0 and self._resized(fp)):
+        elif self.departed_at is None and (k >= len(expected) or expected[k] != fp):
+            # the first: the best plan of the structure for it (``_resized``); later ones
+            # must fit in the plan's (a shorter length, fewer tokens routed to an expert)
+            fits = self._resized(fp) if k == 0 else k < len(expected) and covers(expected[k], fp)
+            if not fits:
                 self._depart(k, "more saved tensors than the plan's" if k >= len(expected)
                              else f"saved tensor {k} is {_describe(fp)}, the plan's {_describe(expected[k])}")
         if self.moving is not None:
@@ -141,7 +142,6 @@ class SavedTensorGuard:
         if found is None:
             return False
         self._follow(*found)
-        self._covering = found[0][0] != fp
         return True
 
     def _follow(self, expected: tuple[Fingerprint, ...] | None, moving: MovingStep | None) -> None:
