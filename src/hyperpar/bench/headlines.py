@@ -129,6 +129,10 @@ def variable_shapes_models(doc: dict[str, Any]) -> list[Figure]:
         figure("worst_peak_over_budget", max(m["worst_peak_over_budget_when_feasible"]
                                              for m in models.values()), "x",
                "same runs: worst step peak / a feasible budget", page, goal="<= 1.05"),
+        figure("over_budget_floor_unknown", sum(len(m.get("over_budget_floor_unknown", ()))
+                                                for m in models.values()), "steps",
+               "same runs: steps over 1.05x the budget whose floor is unknown (fell back at their "
+               "first saved tensor)", page),
     ]
 
 
