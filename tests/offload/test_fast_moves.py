@@ -42,7 +42,7 @@ def _measuring(live: list[int], session: OffloadSession) -> Body:
     return body
 
 
-def _settled(paths: list[str | None]) -> int:
+def _settled(paths: list[str | None], within: int = 6) -> int:
     """The first step from which every step ran fast (a plan may be planned again, with
     storages the fast path cannot move kept, before it runs fast: how often depends on the
     plan, which copy timing shapes through the timed planner)."""
@@ -50,7 +50,7 @@ def _settled(paths: list[str | None]) -> int:
     first = len(paths) - 1
     while first > 0 and paths[first - 1] == "fast":
         first -= 1
-    assert paths[0] is None and paths[1] == "checked" and first <= 6, paths
+    assert paths[0] is None and paths[1] == "checked" and first <= within, paths
     return first
 
 
@@ -246,7 +246,9 @@ def test_hf_llama_at_half_its_peak_takes_the_fast_path() -> None:
             assert torch.equal(a.grad, b.grad), (name, report)
         plain.zero_grad(set_to_none=True)
         off.zero_grad(set_to_none=True)
-    _settled(paths)
+    # four re-plans under the chaos engine's copy timings (each one checked step, one of them
+    # after a fallback), since warmup predicts same-shape pointwise outputs exactly: fast from 7
+    _settled(paths, within=7)
     assert session.last_report.bytes_d2h > 0, paths
 
 

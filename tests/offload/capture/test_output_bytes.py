@@ -43,6 +43,10 @@ def _calls(rng: random.Random) -> list[tuple[object, tuple, dict]]:
         (aten.new_ones.default, (x, [n]), {"dtype": torch.float32}),
         (aten.new_empty.default, (x, [b, b]), {}),
         (aten.new_full.default, (x, [m], 3.0), {}),
+        (aten.mul.Tensor, (x, torch.randn(m, k).to(dtype)), {}),
+        (aten.add.Tensor, (x.t(), torch.randn(k, m).to(dtype)), {"alpha": 2}),  # a view
+        (aten.sub.Tensor, (x[:1].expand(m, k), x), {}),  # an expanded input: the full result
+        (aten.div.Tensor, (x, x), {}),
     ]
 
 
@@ -55,6 +59,15 @@ def test_predicted_bytes_are_the_bytes_the_op_makes(seed: int) -> None:
         assert predicted_bytes(func, args, kwargs, CPU) == made, (func, args, kwargs)
         seen.add(func)
     assert seen == set(PREDICTORS), "every predictor is checked against its op"
+
+
+def test_pointwise_ops_other_than_same_shape_and_dtype_are_left_to_the_learned_ratio() -> None:
+    x = torch.randn(4, 1)
+    for func, args in [(aten.mul.Tensor, (x, torch.randn(1, 8))),  # broadcasting: 8x the inputs
+                       (aten.add.Tensor, (x, x.double())),  # promotion
+                       (aten.mul.Tensor, (x, torch.tensor(2.0))),  # a 0-dim tensor
+                       (aten.div.Tensor, (x, 2.0))]:  # a Python scalar
+        assert predicted_bytes(func, args, {}, CPU) is None, (func, args)
 
 
 def test_other_devices_and_unknown_arguments() -> None:
