@@ -102,7 +102,7 @@ def test_a_moved_storage_larger_than_the_plans_leaves_the_plan() -> None:
 def test_a_fast_step_leaves_no_reference_cycle_for_the_garbage_collector() -> None:
     """Each step's guard and moves are freed when the step's graph is, not at some later
     collection (a cycle through their callbacks left them, and all they held, to the
-    garbage collector: 0.07x of HF Llama's plain step)."""
+    garbage collector)."""
     budget = _budget_at(64, 0.5)
     session = OffloadSession(OffloadConfig(max_resident_activation_mb=budget / (1 << 20)))
     ws = _weights()

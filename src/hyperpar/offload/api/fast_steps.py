@@ -205,6 +205,9 @@ class FastSteps:
             return
         if structure.to_learn:
             structure.to_learn = 0 if plan.packs is None else structure.to_learn - 1
+        packs = tuple(recorder.fingerprints)
+        if plan.packs is not None and covers_all(plan.packs, packs):
+            return  # what the plan learned covers this step's (and its schedule stands)
         if plan.moves:
             if recorder.log is None:
                 return
@@ -214,12 +217,6 @@ class FastSteps:
                 if not self._refine(plan, schedule.sids):
                     logger.debug("this plan keeps the checked replay: %s", schedule.why)
                 return
-        else:
-            schedule = None
-        packs = tuple(recorder.fingerprints)
-        if plan.packs is not None and covers_all(plan.packs, packs):
-            return  # what the plan learned covers this step's: it keeps fitting longer steps
-        if schedule is not None:
             plan.move_schedule = schedule
         structure.size_misses = 0  # lengths up to this step's go fast now: not a miss streak
         plan.packs = packs

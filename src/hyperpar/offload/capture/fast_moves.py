@@ -105,16 +105,16 @@ class MovingStep:
         if slot in self._moved:
             s = self.slots.get(slot)
             if s is None:
-                storage = t.untyped_storage()
-                if storage.nbytes() > self._slot_bytes[slot] and self.on_plan:
+                s = _Slot(t.untyped_storage())
+                if s.nbytes > self._slot_bytes[slot] and self.on_plan:
                     # larger than the plan's (a step its saved tensors cover in shape, with
                     # a larger base): the plan's bytes no longer bound the step's
                     self.on_plan = False
                     if self.on_held is not None:
-                        self.on_held(f"storage {self.schedule.slot_sid[slot]} is {storage.nbytes()} bytes, "
+                        self.on_held(f"storage {self.schedule.slot_sid[slot]} is {s.nbytes} bytes, "
                                      f"the plan's {self._slot_bytes[slot]}")
                     return t, version, slot
-                s = self.slots[slot] = _Slot(storage)
+                self.slots[slot] = s
         if self.on_plan:
             if self._held:
                 self._check_held(e)
@@ -279,8 +279,8 @@ class MovingStep:
         released = [(slot, s) for slot, s in self.slots.items()
                     if s.device is None and s.original() is not None]
         self._settle(released)
-        held = [(slot, s.nbytes) for slot, s in released if s.original() is not None]
-        self.held_past_release = sum(n for _, n in held)
+        held = [(slot, s) for slot, s in released if s.original() is not None]
+        self.held_past_release = sum(s.nbytes for _, s in held)
         self.held_sids = frozenset(self.schedule.slot_sid[slot] for slot, _ in held)
 
     def finish(self) -> None:

@@ -77,8 +77,8 @@ class SavedTensorGuard:
     def __exit__(self, *exc: object) -> None:
         # The moves' callback into the guard and ``unpack`` (bound to the guard, kept on it)
         # made reference cycles: each step's guard and all it held waited for the garbage
-        # collector (measured: HF Llama's fast step at 50 %, 1.42x plain with them, 1.35x
-        # when collected between steps). Autograd keeps its own reference to ``unpack``.
+        # collector (233 objects a fast HF Llama step, 7,732 a tiny-ops one). Autograd keeps
+        # its own reference to ``unpack``.
         if self.moving is not None:
             self.moving.on_held = None
         self.unpack = _unpack
