@@ -14,7 +14,7 @@ from hyperpar.offload import OffloadConfig, OffloadSession
 
 def wrapped():
     return (torch.Tensor.__dict__.get("tolist"), torch.sparse_coo_tensor,
-            OptimizedModule.__dict__.get("__call__"))
+            OptimizedModule.__dict__.get("__call__"), torch.Tensor.__dict__.get("data"))
 
 before = wrapped()
 w = torch.randn(4, 4, requires_grad=True)
@@ -25,6 +25,9 @@ with session:
 first = wrapped()
 assert all(a is not b for a, b in zip(first, before)), "installed at the first step"
 assert torch.tensor([1.5, 2.0]).tolist() == [1.5, 2.0], "a wrapper outside a step only calls the original"
+p = torch.nn.Parameter(torch.zeros(2))
+p.data = torch.ones(2)  # the wrapped .data sets as the original does
+assert p.data.sum() == 2 and isinstance(p, torch.nn.Parameter) and p.data._version == 0
 for _ in range(2):
     w.grad = None
     with session:

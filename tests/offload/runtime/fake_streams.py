@@ -148,6 +148,13 @@ class FakeStreams:
         self.advance()
         self.rules.raise_first()
 
+    def source_may_change(self, stream: FakeStream) -> None:
+        """The stream's last copy reads a source the user may write meanwhile: a change tears
+        it (``PendingCopy.src_shared``) instead of breaking a rule (a copy done already read it)."""
+        c = self._last.get(stream.name)
+        if c is not None:
+            c.src_shared = True
+
     def record_stream(self, tensor: torch.Tensor, stream: FakeStream) -> None:
         c = self._last.get(stream.name)
         if c is not None and (tensor is c.src or tensor is c.dst):

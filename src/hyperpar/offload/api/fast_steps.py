@@ -74,6 +74,7 @@ class FastSteps:
         executor = FallbackExecutor(m, self.device, self._budget_bytes, index, why, fast.guard.storages)
         if fast.moving is not None:  # Python held storages the plan released: plan with them kept
             executor.held_bytes, executor.held_sids = fast.moving.held_past_release, fast.moving.held_sids
+            fast.moving.mode_evicts = True
         m.describe_op = executor.describe_op
         self._executor = executor
         self._mode = OffloadDispatchMode(executor, self)

@@ -127,11 +127,14 @@ class ExecutorBase(OnlinePath):
 
     # --- reads behind the dispatcher -------------------------------------------------
     def read_behind_dispatcher(self, storage: torch.UntypedStorage) -> None:
-        """Python is about to read this storage's bytes without an op: bring it back and keep it."""
+        """Python is about to read this storage's bytes without an op: bring it back and keep it.
+        What it gets may be written too (``.numpy()`` on CPU): a copy out still reading the
+        storage finishes first, so no write of the user's races it."""
         sid = self.table.lookup(storage)
         if sid is not None:
             with _Raised(self, "passthrough"):
                 self.pin_sids((sid,))
+                self.manager.finish_copies_of([storage])
 
     # --- end of step ----------------------------------------------------------------
     def timeline(self, copies: list[CopySpan]) -> StepTimeline:

@@ -6,14 +6,22 @@ checks crashes the process, and without the mode nothing stops a step that depar
 its plan from reading one. ``pack`` hands autograd a handle instead of the tensor for a
 storage the plan moves; the release drops the handle's slot's device reference (the host
 copy stays), so the bytes are freed once Python lets go of them too, as ``save_on_cpu``
-and torchtune's offloading free theirs. A storage Python still holds after its release
-stays valid, on the device: where the plan's bytes plus those no longer fit the budget the
-step goes on with the dispatch mode (``on_held``), and the session plans again with them
-kept. ``unpack`` returns the original tensor while it lives, else a view of the slot's
-paged-in storage (waiting for its copy, or paging in on demand).
+and torchtune's offloading free theirs.
 
-Known gap, shared with the peers: an in-place write to a saved tensor that Python then drops
-cannot be seen at unpack (the version is checked while the tensor lives).
+**The live bytes win.** While anything still holds the user's storage (a variable, a
+``.detach()``, ``.data`` or ``.numpy()`` alias, a view), unpack reads it rather than the
+host copy, which a write through the alias may have made stale. Where the plan's bytes plus
+storages Python holds past their release no longer fit the budget, the step goes on with
+the dispatch mode (``on_held``) and the session plans again with them kept. A handle keeps
+the saved tensor's version counter (``saved_versions.version_keeper``), so a write through
+the tensor, a view or a ``.detach()`` alias raises at unpack as plain autograd does, even
+after Python dropped them.
+
+``.data`` shares the bytes and no counter (no error in plain PyTorch either): the session's
+``Tensor.data`` tells the step (``unversioned``), and such a storage's final bytes are copied
+out again when the slot lets go of it. Not seen without the dispatch mode: a write through
+raw memory (``.numpy()``, DLPack, ``data_ptr``) after the copy out, by an alias gone before
+backward reads the tensor (a kept one is read live).
 """
 
 from __future__ import annotations
@@ -27,28 +35,22 @@ import torch
 
 from hyperpar.offload.capture.fast_schedule import MoveSchedule
 from hyperpar.offload.capture.replay_program import D2H, H2D
+from hyperpar.offload.capture.saved_versions import checked_version, version_keeper
 from hyperpar.offload.runtime.host_pool import aligned
 from hyperpar.offload.runtime.residency_manager import byte_view
 
 Tensor = torch.Tensor
 
 
-def checked_version(t: Tensor, version: int) -> Tensor:
-    """Autograd's in-place check (it skips its own for tensors saved through hooks), in its words."""
-    if t._version != version:
-        raise RuntimeError(
-            f"one of the variables needed for gradient computation has been modified by an inplace "
-            f"operation: [{t.type()} {list(t.shape)}] is at version {t._version}; expected version "
-            f"{version} instead. Hint: enable anomaly detection to find the operation that failed to "
-            f"compute its gradient, with torch.autograd.set_detect_anomaly(True).")
-    return t
+_use_count = torch._C._storage_Use_Count
 
 
 class _Slot:
     """One storage the plan moves: its device bytes (the original, then a paged-in copy, or
-    None), its host copy, the copies' events, and the last tensor rebuilt from it."""
+    None), its host copy, the copies' events, the source the copy out reads (weakly: the
+    engine holds it while the copy may read), and the last tensor rebuilt from it."""
 
-    __slots__ = ("d2h", "device", "h2d", "host", "nbytes", "original", "view", "view_key")
+    __slots__ = ("d2h", "device", "h2d", "host", "nbytes", "original", "src", "view", "view_key")
 
     def __init__(self, storage: torch.UntypedStorage) -> None:
         self.device: torch.UntypedStorage | None = storage
@@ -57,8 +59,31 @@ class _Slot:
         self.host: Tensor | None = None
         self.d2h: Any = None
         self.h2d: Any = None
+        self.src: weakref.ref | None = None
         self.view: Tensor | None = None
         self.view_key: tuple[Any, ...] | None = None
+
+    def held_elsewhere(self) -> bool:
+        """Whether a tensor (Python's, autograd's) still holds the user's storage: anything but
+        its Python object, which this slot may keep, and a copy out still reading it."""
+        original = self.original()
+        if original is None:
+            return False
+        engine_holds = self.src is not None and self.src() is not None
+        return _use_count(original._cdata) > 1 + engine_holds
+
+    def live(self, bring_back: bool) -> torch.UntypedStorage | None:
+        """The user's storage while it lives on the device (its bytes are the live ones). One
+        the fallback's dispatch mode evicted has them with the mode: only where a ``.data``
+        alias may have written it since the copy out is it brought back (``bring_back``: any
+        op reading it under the mode does that; a ``set_`` onto it would resize it instead, to
+        garbage bytes); else the slot's host copy is as good and the mode keeps its budget."""
+        original = self.original()
+        if original is not None and original.nbytes() != self.nbytes:
+            if not bring_back:
+                return None
+            torch.ops.aten.alias.default(byte_view(original))
+        return original
 
 
 class MovingStep:
@@ -76,6 +101,9 @@ class MovingStep:
         self._moved = schedule.moved_slots
         self._slot_bytes = schedule.slot_bytes
         self.engine, self.pool, self.device = engine, pool, device
+        self._empty = torch.empty(0, device=device)  # what version keepers hold instead of bytes
+        # an engine that checks what its copies read is told that the user may write these
+        self._shared = getattr(engine, "source_may_change", None)
         self.slots: dict[int, _Slot] = {}
         self.event = 0
         self.on_plan = True  # events still match the checked replay's (else: demand only)
@@ -86,6 +114,9 @@ class MovingStep:
         # released in forward is still alive an event later (Python holds it), or a storage
         # is larger than the plan's
         self.on_held: Callable[[str], None] | None = None
+        # storages a ``.data`` alias was taken of in this step (by id, weakly)
+        self._unversioned: dict[int, weakref.ref] = {}
+        self.mode_evicts = False  # after a departure: the fallback's dispatch mode may evict
         self._held: list[tuple[int, _Slot]] = []  # released while Python held them, still to die
         # their bytes, counted when released: dead ones stay counted until a look that may
         # change something (the plan's bytes plus this reaching ``worst``) drops them
@@ -111,6 +142,7 @@ class MovingStep:
                     # a larger base): the plan's bytes no longer bound the step's
                     self.on_plan = False
                     if self.on_held is not None:
+                        self._settle()
                         self.on_held(f"storage {self.schedule.slot_sid[slot]} is {s.nbytes} bytes, "
                                      f"the plan's {self._slot_bytes[slot]}")
                     return t, version, slot
@@ -123,7 +155,9 @@ class MovingStep:
                 self._run(acts, e)
         if s is None:
             return t, version, slot
-        return weakref.ref(t), version, slot, s, (offset, shape, t.stride(), dtype)
+        # the keeper: the version counter outlives the tensor, as autograd's saved one does
+        keeper = version_keeper(t, self._empty)
+        return weakref.ref(t), version, slot, s, (offset, shape, t.stride(), dtype), keeper
 
     def unpack(self, packed: tuple[Any, ...]) -> Tensor:
         e = self.event
@@ -140,16 +174,25 @@ class MovingStep:
                 acts = self._actions.get(e)
                 if acts is not None:
                     self._run(acts, e)
+        elif self._held:  # off the plan: storages Python let go of still leave the device
+            self.alive_held()
         if len(packed) == 3:
             t, version = packed[0], packed[1]
         else:
             t, version = packed[0](), packed[1]
             if t is None:
-                return self._rebuilt(packed[3], packed[4])
+                key = packed[4]
+                checked_version(packed[5], version, key[1])  # written through a view or alias since
+                return self._rebuilt(packed[3], slot, key)
         return checked_version(t, version)
 
-    def _rebuilt(self, s: _Slot, key: tuple[Any, ...]) -> Tensor:
-        storage = s.device
+    def _rebuilt(self, s: _Slot, slot: int, key: tuple[Any, ...]) -> Tensor:
+        """The saved tensor, from the user's storage while anything holds it (its live bytes:
+        an alias may have written it since the copy out), else from the slot's paged-in copy
+        (paged in now if the plan did not)."""
+        storage = s.live(self.mode_evicts and self._is_unversioned(s.original()))
+        if storage is None:
+            storage = s.device
         if storage is None:
             storage = self._page_in(s)
             self.demand_faults += 1
@@ -163,7 +206,11 @@ class MovingStep:
         if self.on_plan:  # the plan's release lets go of it
             s.view, s.view_key = view, key
         elif s.host is not None:  # off the plan nothing releases: the view alone keeps the bytes
-            s.device = s.view = None
+            s.view = None
+            if s.device is not s.original():
+                s.device = None
+            elif all(h is not s for _, h in self._held):  # the user's: let go once nothing else holds it
+                self._held.append((slot, s))
         return view
 
     def _check_held(self, e: int) -> None:
@@ -180,36 +227,74 @@ class MovingStep:
             # the count is at least what is still held: nothing can be over ``worst`` (which
             # is within the budget while the step is on its plan in forward), so no look
             return
-        held = self._alive_held()
+        held = self.alive_held()
         if not held:
             return
         resident = planned + self._held_bytes
-        if resident > self.budget_bytes:  # copies still reading some keep them: finish those, look again
-            self._settle(held)
-            held = self._alive_held()
-            resident = planned + self._held_bytes
         if resident > self.worst:
             self.worst = resident
         if resident > self.budget_bytes and e < self.schedule.forward_end:
             self.held_past_release = self._held_bytes
             self.held_sids = frozenset(self.schedule.slot_sid[slot] for slot, _ in held)
             if self.on_held is not None:
+                self._settle()
                 self.on_held(f"{len(held)} storage(s) the plan released are still held by Python, over the "
                              f"budget (storage {self.schedule.slot_sid[held[0][0]]} first)")
 
-    def _alive_held(self) -> list[tuple[int, _Slot]]:
-        """``_held`` without the storages that died, and ``_held_bytes`` exact again."""
-        held = self._held = [(slot, s) for slot, s in self._held if s.original() is not None]
+    def alive_held(self) -> list[tuple[int, _Slot]]:
+        """``_held`` without the storages nothing else holds any more (``_let_go``), and
+        ``_held_bytes`` exact again."""
+        held = []
+        for slot, s in self._held:
+            if s.held_elsewhere():
+                held.append((slot, s))
+            else:
+                self._let_go(s, slot)
+        self._held = held
         self._held_bytes = sum(s.nbytes for _, s in held)
         return held
 
-    def _settle(self, held: list[tuple[int, _Slot]]) -> None:
-        """Wait for the copies out of these storages: a copy in flight keeps its source alive
-        (as the residency manager's pending frees do), which is not Python holding it."""
-        for _, s in held:
-            if s.d2h is not None and not self.engine.is_done(s.d2h):
-                self.engine.finish(s.d2h)
-        self.engine.poll()  # finished copies let go of their tensors here
+    def _settle(self) -> None:
+        """Before the dispatch mode takes over: the copies out still reading released storages
+        finish, so those storages are gone rather than bound as the mode's activations."""
+        engine = self.engine
+        for s in self.slots.values():
+            if s.device is None and s.d2h is not None and not engine.is_done(s.d2h):
+                engine.finish(s.d2h)
+        engine.poll()  # finished copies let go of their sources here
+
+    def unversioned(self, t: Tensor) -> None:
+        """``t.data`` was taken: its storage may be written without a version from now on. A
+        released storage of the plan's that Python still holds is kept by its slot from now
+        on, so its final bytes can go out again when Python lets go (``_let_go``)."""
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        self._unversioned[id(st)] = weakref.ref(st)
+        for _, s in self._held:
+            if s.device is None and s.original() is st:
+                s.device = st
+
+    def _is_unversioned(self, st: torch.UntypedStorage | None) -> bool:
+        if not self._unversioned or st is None:
+            return False
+        ref = self._unversioned.get(id(st))
+        return ref is not None and ref() is st
+
+    def _let_go(self, s: _Slot, slot: int) -> None:
+        """Drop the slot's hold of the user's storage. If a ``.data`` alias may have written
+        it since the copy out (no version counter tells), its final bytes go out again first,
+        into the same host bytes (the device bytes are freed once that copy has read them);
+        one the fallback's dispatch mode evicted has its final bytes with the mode, and stays
+        (it costs no device bytes)."""
+        device = s.device
+        if device is not None and device is s.original():
+            if device.nbytes() != s.nbytes:
+                return
+            if self._is_unversioned(device):
+                self._copy_out(s, slot, again=True)
+        s.device = None
 
     def _run(self, acts: tuple[tuple[int, int], ...], e: int) -> None:
         slots = self.slots
@@ -224,12 +309,15 @@ class MovingStep:
             elif code == H2D:
                 if s.device is None and s.host is not None:
                     self._page_in(s)
-            elif s.host is not None:  # a release: only with a host copy
-                s.device = s.view = None
+            elif s.host is not None and s.device is not None:  # a release: only with a host copy
+                s.view = None
                 out = True
-                if s.original() is not None:
+                held = s.device is s.original() and s.held_elsewhere()
+                if held:  # Python still holds it: its bytes stay (unpack reads them) until it lets go
                     self._held.append((slot, s))
                     self._held_bytes += s.nbytes
+                if not (held and self._is_unversioned(s.device)):
+                    self._let_go(s, slot)  # (one a ``.data`` alias may write is kept till then)
         if out:  # finished copies out let go of their sources (released storages) here
             self.engine.poll()
 
@@ -253,15 +341,24 @@ class MovingStep:
         self._own.append(got[0])
         return got[0][:nbytes], got[1]
 
-    def _copy_out(self, s: _Slot, slot: int) -> None:
+    def _copy_out(self, s: _Slot, slot: int, again: bool = False) -> None:
+        """The storage's bytes to host (``again``: its final bytes, over its host copy, after
+        the first copy out into them)."""
         storage = s.device
-        if storage is None or s.host is not None:
+        if storage is None or (s.host is not None) != again:
             return
-        got = self._host(s.nbytes)
-        if got is None:  # the host pool's cap: the storage stays on the device
-            return
-        s.host, after = got
-        s.d2h = self.engine.copy_d2h(s.host, byte_view(storage), after, slot)
+        if again:
+            after = s.d2h if s.d2h is not None and not self.engine.is_done(s.d2h) else None
+        else:
+            got = self._host(s.nbytes)
+            if got is None:  # the host pool's cap: the storage stays on the device
+                return
+            s.host, after = got
+        src = byte_view(storage)
+        s.src = weakref.ref(src)
+        s.d2h = self.engine.copy_d2h(s.host, src, after, slot)
+        if self._shared is not None and s.d2h is not None:
+            self._shared(s.d2h)  # the user may write the storage meanwhile (a torn copy is never used)
         self.bytes_d2h += s.nbytes
 
     def _page_in(self, s: _Slot) -> torch.UntypedStorage:
@@ -276,11 +373,8 @@ class MovingStep:
     def _forward_ended(self) -> None:
         """What forward released that Python still holds (at the first unpack, or the step's
         end): kept on the device through backward, past the plan."""
-        released = [(slot, s) for slot, s in self.slots.items()
-                    if s.device is None and s.original() is not None]
-        self._settle(released)
-        held = [(slot, s) for slot, s in released if s.original() is not None]
-        self.held_past_release = sum(s.nbytes for _, s in held)
+        held = self.alive_held()
+        self.held_past_release = self._held_bytes
         self.held_sids = frozenset(self.schedule.slot_sid[slot] for slot, _ in held)
 
     def finish(self) -> None:
@@ -290,6 +384,7 @@ class MovingStep:
             self._forward_ended()  # no backward ran in the step
         slots = list(self.slots.values())
         self.slots.clear()
+        self._held.clear()
         while slots:
             s = slots.pop()
             if s.host is not None and s.device is None and sys.getrefcount(s) > _UNHELD:

@@ -21,8 +21,10 @@ from typing import Any
 
 import torch
 
-from hyperpar.offload.capture.fast_moves import MovingStep, checked_version
+from hyperpar.offload.capture import dispatch_mode
+from hyperpar.offload.capture.fast_moves import MovingStep
 from hyperpar.offload.capture.fast_schedule import EventLog
+from hyperpar.offload.capture.saved_versions import checked_version
 
 Tensor = torch.Tensor
 Fingerprint = tuple[Any, ...]
@@ -172,6 +174,11 @@ class SavedTensorGuard:
             self.log.unpacked(packed[2])
         return _unpack(packed)
 
+    def unversioned_alias(self, t: Tensor) -> None:
+        """``t.data`` was taken during the step (``_data``)."""
+        if self.moving is not None:
+            self.moving.unversioned(t)
+
     def complete(self) -> bool:
         """After the step: whether it saved exactly the plan's tensors (and saw them all)."""
         return (self.departed_at is None and not self.lifted and self._expected is not None
@@ -216,6 +223,34 @@ def _install() -> None:
     """Once, at the first guarded step: the wrapper only acts while a guard is on this thread."""
     if torch.autograd.graph.disable_saved_tensors_hooks is _original_disable:
         torch.autograd.graph.disable_saved_tensors_hooks = _disable_saved_tensors_hooks
+
+
+_tensor_data = torch._C.TensorBase.__dict__["data"]
+
+
+def _data(self: Tensor) -> Tensor:
+    """``Tensor.data`` while sessions live: an alias that shares the bytes but no version
+    counter, so the fast path cannot see writes through it; it is told of it instead."""
+    alias = _tensor_data.__get__(self)
+    if _local.guards:
+        _local.guards[-1].unversioned_alias(self)
+    return alias
+
+
+def _set_data(self: Tensor, value: Tensor) -> None:
+    _tensor_data.__set__(self, value)
+
+
+def _install_data() -> None:
+    torch.Tensor.data = property(_data, _set_data, doc=_tensor_data.__doc__)  # type: ignore[method-assign,assignment]
+
+
+def _remove_data() -> None:
+    if "data" in torch.Tensor.__dict__:
+        del torch.Tensor.data
+
+
+dispatch_mode.STEP_HOOKS.append((_install_data, _remove_data))
 
 
 def _unpack(packed: tuple[Any, ...]) -> Tensor:

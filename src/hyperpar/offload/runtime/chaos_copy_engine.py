@@ -171,6 +171,13 @@ class ChaosCopyEngine:
         self.rules.raise_first()
         return event
 
+    def source_may_change(self, event: Any) -> None:
+        """The source of this copy is the user's to write while it runs (the fast path copies
+        out storages Python may still hold): a change before it completes is no violation,
+        but the copy lands torn (poisoned), so a user of its bytes shows as NaNs."""
+        if self._own(event, "source_may_change"):
+            event.copy.src_shared = True
+
     def _tick(self) -> None:
         with self._lock:
             self._clock += 1

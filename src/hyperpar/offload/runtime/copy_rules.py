@@ -91,6 +91,7 @@ class PendingCopy:
     issued_ms: float = 0.0
     dst_guarded: bool = True  # no earlier copy still writes the destination: nothing may
     src_guarded: bool = True  # no earlier copy still writes the source: it may not change
+    src_shared: bool = False  # the user may write the source meanwhile: a change tears the copy
     held: set[int] = field(default_factory=set)  # ids of src/dst whose memory the allocator holds
 
     def name(self) -> str:
@@ -164,7 +165,10 @@ class CopyRules:
         elif not c.src_guarded:
             c.snapshot = clone(c.src)  # its bytes arrived since the issue, from the earlier copy
         elif not torch.equal(c.src, c.snapshot):
-            self.violate(f"the source of copy {name} changed before the copy was done")
+            if c.src_shared:  # a real copy would read some of each: whoever reads it gets NaNs
+                c.snapshot.fill_(POISON)
+            else:
+                self.violate(f"the source of copy {name} changed before the copy was done")
         if not _whole(c.dst):
             if id(c.dst) not in c.held:
                 self.violate(f"the destination of copy {name} was freed before the copy was done")

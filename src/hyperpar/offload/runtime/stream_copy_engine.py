@@ -97,6 +97,13 @@ class StreamCopyEngine:
     def is_done(self, event: Any) -> bool:
         return event is None or event.query()
 
+    def source_may_change(self, event: Any) -> None:
+        """The last copy out reads a storage the user may write meanwhile (the fast path's): a
+        backend that checks what copies read is told (a real stream just reads what it reads)."""
+        mark = getattr(self.backend, "source_may_change", None)
+        if mark is not None:
+            mark(self._streams[D2H_LANE])
+
     def wait(self, event: Any) -> None:
         if event is None or event.query():
             return
