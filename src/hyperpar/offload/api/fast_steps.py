@@ -75,6 +75,7 @@ class FastSteps:
         if fast.moving is not None:  # Python held storages the plan released: plan with them kept
             executor.held_bytes, executor.held_sids = fast.moving.held_past_release, fast.moving.held_sids
             fast.moving.mode_evicts = True
+            executor.fast_moves = fast.moving
         m.describe_op = executor.describe_op
         self._executor = executor
         self._mode = OffloadDispatchMode(executor, self)
@@ -161,6 +162,11 @@ class FastSteps:
         assert plan is not None
         structure = self._structures[plan.signature]
         report.held_past_release_bytes = executor.held_bytes
+        moves = executor.fast_moves
+        if moves is not None:  # what the step moved before it left its plan, and its page-ins after
+            report.bytes_d2h += moves.bytes_d2h
+            report.bytes_h2d += moves.bytes_h2d
+            report.demand_faults += moves.demand_faults
         if executor.departed_at == 0 and not executor.held_sids:
             # at its first saved tensor, nothing moved yet: a size no learned plan covers
             # (else the guard took it), longer than any learned; checked steps teach it. A
@@ -178,8 +184,14 @@ class FastSteps:
     def _off_plan(self, plan: Plan, held: frozenset[int]) -> None:
         """A fast step left its plan: checked again next time; where it was storages Python
         held past their release (``held``), planned again with them kept, else a departure."""
-        plan.packs = None
-        if held and self._refine(plan, held):
+        packs, plan.packs = plan.packs, None
+        refined = self._refine(plan, held) if held else None
+        if refined is not None:
+            # the same saved tensors, the new plan's moves on the same events: fast next step
+            if packs is not None and plan.events is not None:
+                scheduled = self._scheduled(refined, plan.events)
+                if scheduled is not None:
+                    scheduled.packs = packs
             logger.info("fast replay: storages %s the plan released were still held by Python; planned "
                         "again with them kept", sorted(held))
             return
@@ -212,24 +224,36 @@ class FastSteps:
         if plan.moves:
             if recorder.log is None:
                 return
-            schedule = MoveSchedule.build(recorder.log, plan.program)
-            if isinstance(schedule, Refusal):
-                plan.fast_refusal = schedule.why
-                if not self._refine(plan, schedule.sids):
-                    logger.debug("this plan keeps the checked replay: %s", schedule.why)
+            scheduled = self._scheduled(plan, recorder.log.frozen())
+            if scheduled is None:
                 return
-            plan.move_schedule = schedule
+            plan = scheduled
         structure.size_misses = 0  # lengths up to this step's go fast now: not a miss streak
         plan.packs = packs
 
-    def _refine(self, plan: Plan, keep: frozenset[int]) -> bool:
+    def _scheduled(self, plan: Plan, events: EventLog) -> Plan | None:
+        """``plan``'s moves placed on a checked replay's saved-tensor events, or, where it moves
+        storages the fast path cannot, the plan made again with them kept (the events are the
+        model's, not the plan's: a re-plan's moves go on the same ones, no checked step each)."""
+        schedule = MoveSchedule.build(events, plan.program)
+        while isinstance(schedule, Refusal):
+            plan.fast_refusal = schedule.why
+            refined = self._refine(plan, schedule.sids)
+            if refined is None:
+                logger.debug("this plan keeps the checked replay: %s", schedule.why)
+                return None
+            plan = refined
+            schedule = MoveSchedule.build(events, plan.program) if plan.moves else None
+        plan.move_schedule, plan.events = schedule, events
+        return plan
+
+    def _refine(self, plan: Plan, keep: frozenset[int]) -> Plan | None:
         """Plan the same trace again with ``keep`` on the device, for a plan the fast path can
-        run; the new plan replaces ``plan`` when its peak is no higher (its next step is a
-        checked replay, which may refine it once more) when it keeps the budget."""
+        run; the new plan (returned) replaces ``plan`` when it keeps the budget."""
         structure = self._structures.get(plan.signature)
         if (structure is None or plan.refinements >= MAX_REFINEMENTS
                 or plan.program.planned_peak > self._budget_bytes):
-            return False
+            return None
         trace = plan.trace
         trace = replace(trace, pinned_sids=trace.pinned_sids | keep)
         new = self._plan(plan.signature, trace, structure.keys, plan.program, quiet=True)
@@ -237,7 +261,7 @@ class FastSteps:
             logger.debug("keeping %d storage(s) on the device for the fast path would exceed the budget: "
                          "the plan stays checked (%s)", len(keep), plan.fast_refusal)
             plan.refinements = MAX_REFINEMENTS
-            return False
+            return None
         new.refinements = plan.refinements + 1
         new.kept_for_fast = plan.kept_for_fast | keep
         new.floor = plan.floor  # the user's floor: the pins are the fast path's, not the step's
@@ -248,7 +272,7 @@ class FastSteps:
             structure.last = new
         if self._current is plan:
             self._current = new
-        return True
+        return new
 
     def _event_log(self, executor: ExecutorBase) -> EventLog | None:
         """For a checked replay of a plan that moves bytes: where its saved-tensor events fall."""

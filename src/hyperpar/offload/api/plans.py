@@ -9,7 +9,7 @@ import numpy as np
 
 from hyperpar.offload.capture import ReplayProgram
 from hyperpar.offload.capture.fast_moves import MovingStep
-from hyperpar.offload.capture.fast_schedule import MoveSchedule
+from hyperpar.offload.capture.fast_schedule import EventLog, MoveSchedule
 from hyperpar.offload.capture.prefix_hash import key_hashes
 from hyperpar.offload.capture.saved_tensor_guard import Fingerprint, SavedTensorGuard
 from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
@@ -42,6 +42,7 @@ class Plan:
     packs: tuple[Fingerprint, ...] | None = None
     move_schedule: MoveSchedule | None = None
     fast_refusal: str | None = None
+    events: EventLog | None = None  # the saved-tensor events its schedule was placed on (frozen)
     refinements: int = 0  # re-plans that kept storages on the device for the fast path
     kept_for_fast: frozenset[int] = frozenset()  # the storages those re-plans kept
 

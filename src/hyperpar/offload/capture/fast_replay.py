@@ -47,6 +47,7 @@ class FallbackExecutor(ExecutorBase):
         self.why = why
         self.held_bytes = 0  # released storages Python still held (the fast path's moves)
         self.held_sids: frozenset[int] = frozenset()
+        self.fast_moves: Any = None  # the fast part's ``MovingStep``: its copies count in the report
         table, seen = self.table, set()
         for k, ref in enumerate(storages):  # producers before op 0, oldest first (evicted first)
             st = ref()

@@ -16,6 +16,7 @@ import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -76,6 +77,12 @@ class EventLog:
         self.clock.append(self.clock_of())
         self.slot.append(slot)
 
+    def frozen(self) -> EventLog:
+        """What was logged, without the step it was logged from (nothing more can be logged):
+        a plan keeps it to place a re-plan's moves on the same events."""
+        return EventLog(_logged, _logged, _logged, _logged, list(self.unpack), list(self.clock),
+                        list(self.slot), dict(self.slot_sid), dict(self.slot_bytes), self.held, True)
+
     def _held_past_forward(self) -> frozenset[int]:
         """Slots whose storage more tensors reference than the saved ones (and their bases):
         Python (or a closure, or ``ctx``) holds it, so the fast path could not free it."""
@@ -104,6 +111,10 @@ class EventLog:
                     n and sys.getrefcount(ours[k]) > n + 2 for k, n in packs.items()):
                 held.append(slot)
         return frozenset(held)
+
+
+def _logged(*_: Any) -> Any:
+    raise RuntimeError("a frozen event log logs nothing more")
 
 
 @dataclass(frozen=True, slots=True)

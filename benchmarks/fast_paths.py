@@ -1,0 +1,97 @@
+"""Which path each step of a session takes (issue 40): W warmup, C checked replay, B a fast
+step that fell back to the dispatch mode, F fast, per model family and budget.
+
+The steps of ``benchmarks/host_cost.py`` (HF Llama, GPT-2, Mixtral, the tiny ops) and an
+encoder-decoder (HF T5), each at fractions of its activation peak, ``--steps`` steps of one
+fresh session each; also each plan's re-plans for the fast path and why a plan stays
+checked. A structure should reach its fast path on the second replay wherever its budget
+lets it (warmup, one checked replay, fast).
+
+    .venv/bin/python benchmarks/fast_paths.py --out benchmarks/results/fast_paths.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import host_cost  # the steps (run as a script, ``benchmarks/`` is on the path)
+import torch
+from tqdm import tqdm
+
+from hyperpar.bench.result_file import provenance, write_result
+
+LETTER = {None: "W", "checked": "C", "fallback": "B", "fast": "F"}
+FAMILIES = ("hf-llama", "hf-gpt2", "hf-mixtral", "hf-t5", "tiny-ops")
+
+
+def _t5() -> host_cost.Workload:
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
+        decoder_start_token_id=0, pad_token_id=0))
+    ids = torch.randint(1, 256, (2, 64), generator=torch.Generator().manual_seed(1))
+
+    def run(ctx: Any) -> None:
+        model.zero_grad(set_to_none=True)
+        with ctx() if ctx is not None else contextlib.nullcontext():
+            model(input_ids=ids, labels=ids).loss.backward()
+
+    return host_cost.Workload("hf-t5", run)
+
+
+def paths(w: host_cost.Workload, fraction: float, steps: int) -> dict[str, Any]:
+    probe = host_cost._session(1e12)
+    w.run(host_cost._fixed(probe))
+    assert probe.last_report is not None
+    peak, floor = probe.last_report.peak_resident_bytes, probe.last_report.min_feasible_budget_bytes
+    session = host_cost._session(peak * fraction)
+    letters = []
+    for _ in range(steps):
+        w.run(host_cost._fixed(session))
+        assert session.last_report is not None
+        letters.append(LETTER[session.last_report.replay_path])
+    plans = [p for s in session._structures.values() for p in s.sizes.values()]
+    first_fast = "".join(letters).find("F")
+    return {"paths": "".join(letters), "first_fast_step": first_fast if first_fast >= 0 else None,
+            "floor_fraction": None if floor is None else floor / peak,
+            "refinements": [p.refinements for p in plans],
+            "stays_checked_because": sorted({p.fast_refusal for p in plans
+                                             if p.fast_refusal and not p.packs})}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    parser.add_argument("--fractions", nargs="+", type=float, default=[1.0, 0.5, 0.3, 0.2])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--tiny-layers", type=int, default=300)
+    parser.add_argument("--out", type=Path, default=Path("hyperpar-bench/fast_paths.json"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    logging.getLogger("hyperpar").setLevel(logging.ERROR)
+    started = provenance(["benchmarks/fast_paths.py", *(sys.argv[1:] if argv is None else argv)])
+    results: dict[str, dict[str, Any]] = {}
+    cells = [(f, x) for f in args.families for x in args.fractions]
+    for family, fraction in tqdm(cells, desc="family x budget"):
+        w = _t5() if family == "hf-t5" else host_cost.build(family, False, args.tiny_layers)
+        results.setdefault(family, {})[f"{round(fraction * 100)}%"] = paths(w, fraction, args.steps)
+    print("| family | " + " | ".join(f"{round(x * 100)} %" for x in args.fractions) + " | floor |")
+    print("|---|" + "---|" * (len(args.fractions) + 1))
+    for family, row in results.items():
+        floor = next(iter(row.values()))["floor_fraction"]
+        print(f"| {family} | " + " | ".join(c["paths"] for c in row.values())
+              + f" | {'-' if floor is None else f'{floor:.0%}'} |")
+    write_result(args.out, {"steps_per_session": args.steps, "families": results}, [], started)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
