@@ -312,12 +312,16 @@ class MovingStep:
             elif s.host is not None and s.device is not None:  # a release: only with a host copy
                 s.view = None
                 out = True
-                held = s.device is s.original() and s.held_elsewhere()
-                if held:  # Python still holds it: its bytes stay (unpack reads them) until it lets go
+                if s.device is s.original() and s.held_elsewhere():
+                    # Python still holds it: its bytes stay (unpack reads them) until it lets go
                     self._held.append((slot, s))
                     self._held_bytes += s.nbytes
-                if not (held and self._is_unversioned(s.device)):
-                    self._let_go(s, slot)  # (one a ``.data`` alias may write is kept till then)
+                    if self._is_unversioned(s.device):
+                        continue  # kept by the slot: a ``.data`` alias may still write it
+                if self._unversioned:
+                    self._let_go(s, slot)
+                else:
+                    s.device = None
         if out:  # finished copies out let go of their sources (released storages) here
             self.engine.poll()
 
