@@ -23,7 +23,8 @@ import host_cost  # the steps (run as a script, ``benchmarks/`` is on the path)
 import torch
 from tqdm import tqdm
 
-from hyperpar.bench.result_file import provenance, write_result
+from hyperpar.bench import headlines
+from hyperpar.bench.result_file import provenance
 
 LETTER = {None: "W", "checked": "C", "fallback": "B", "fast": "F"}
 FAMILIES = ("hf-llama", "hf-gpt2", "hf-mixtral", "hf-t5", "tiny-ops")
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         floor = next(iter(row.values()))["floor_fraction"]
         print(f"| {family} | " + " | ".join(c["paths"] for c in row.values())
               + f" | {'-' if floor is None else f'{floor:.0%}'} |")
-    write_result(args.out, {"steps_per_session": args.steps, "families": results}, [], started)
+    headlines.write("fast_paths", args.out, {"steps_per_session": args.steps, "families": results}, started)
     print(f"wrote {args.out}")
     return 0
 

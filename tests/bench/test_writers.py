@@ -26,6 +26,8 @@ CHEAP = {  # stem -> arguments of a run that takes a few seconds
     "replay_overhead": ["benchmarks/replay_overhead.py", "--steps", "3"],
     "host_pool": ["-m", "hyperpar.bench.host_pool", "--steps", "20", "--session-steps", "3"],
     "demo_step": ["benchmarks/demo_step.py", "--steps", "3", "--settle", "1"],
+    "fast_paths": ["benchmarks/fast_paths.py", "--families", "tiny-ops", "--fractions", "0.5", "--steps", "3",
+                   "--tiny-layers", "20"],
 }
 EXPENSIVE = ("moe", "compile", "variable_lengths", "variable_shapes_models", "fuzz_failures",
              "multicore_hang_paths", "warmup_budget", "planner", "offload", "host_cost",

@@ -56,6 +56,10 @@ class Skip:
     reason: str
 
 
+def _fast_paths(out: str) -> None:
+    assert "| tiny-ops | WCF |" in out, out  # warmup, one checked replay, fast
+
+
 def _quickstart(out: str) -> None:
     lines = out.splitlines()
     assert [line.split(":")[0] for line in lines] == ["warmup", "replay", "replay"]
@@ -192,6 +196,9 @@ KNOWN: dict[str, Run | Skip] = {
         "hf"),
     ".venv/bin/python benchmarks/gpu_projection.py --out benchmarks/results/gpu_projection.json": Run(
         ("--shapes", "tiny", "--out", "{tmp}/gpu_projection.json"), _gpu_projection, "hf"),
+    ".venv/bin/python benchmarks/fast_paths.py --out benchmarks/results/fast_paths.json": Run(
+        ("--families", "tiny-ops", "--fractions", "0.5", "--steps", "3", "--tiny-layers", "20",
+         "--out", "{tmp}/fast_paths.json"), _fast_paths),
     ".venv/bin/python benchmarks/gpu/run.py": Skip(
         "tests/benchmarks/test_gpu_script.py runs it as written at --device cpu --size tiny"),
     ".venv/bin/python -m pytest -q tests/reliability": Skip("a part of this test suite"),

@@ -319,6 +319,19 @@ def demo_step(doc: dict[str, Any]) -> list[Figure]:
                    spread=(s["min"], s["max"]))]
 
 
+def fast_paths(doc: dict[str, Any]) -> list[Figure]:
+    """Which step a session first runs fast, per family, at the budgets it was run at."""
+    figs = []
+    for family, row in doc["families"].items():
+        for budget, cell in row.items():
+            first = -1 if cell["first_fast_step"] is None else cell["first_fast_step"]
+            what = (f"{family} at {budget} of its peak: the first step on the fast path (0 is the warmup; "
+                    f"-1: none in {doc['steps_per_session']}), paths {cell['paths']}")
+            figs.append(figure(f"{family}_{budget.rstrip('%')}_first_fast_step", first, "step", what,
+                               "docs/architecture.md"))
+    return figs
+
+
 HEADLINES: dict[str, Callable[[dict[str, Any]], list[Figure]]] = {
     "moe": moe, "offload": offload, "planner": planner, "variable_lengths": variable_lengths,
     "variable_shapes_models": variable_shapes_models, "compile": compile_in_session,
@@ -327,6 +340,7 @@ HEADLINES: dict[str, Callable[[dict[str, Any]], list[Figure]]] = {
     "tiny_ops": tiny_ops, "warmup_budget": warmup_budget, "grown_steps": grown_steps,
     "host_pool": host_pool, "replay_overhead": replay_overhead, "host_cost": host_cost,
     "host_cost_mechanisms": host_cost_mechanisms, "gpu_projection": gpu_projection, "demo_step": demo_step,
+    "fast_paths": fast_paths,
 }
 
 
