@@ -235,21 +235,27 @@ class FastSteps:
         """``plan``'s moves placed on a checked replay's saved-tensor events, or, where it moves
         storages the fast path cannot, the plan made again with them kept (the events are the
         model's, not the plan's: a re-plan's moves go on the same ones, no checked step each)."""
-        schedule = MoveSchedule.build(events, plan.program)
+        schedule = MoveSchedule.build(events, plan.program, self._budget_bytes)
         while isinstance(schedule, Refusal):
             plan.fast_refusal = schedule.why
-            refined = self._refine(plan, schedule.sids)
+            refined = self._refine(plan, schedule.sids, final=not schedule.advisory)
+            if refined is None and schedule.advisory:
+                # keeping what Python held does not fit: run fast anyway, as before this look
+                # ahead; a step that holds them that way falls back to the dispatch mode
+                schedule = MoveSchedule.build(events, plan.program)
+                continue
             if refined is None:
                 logger.debug("this plan keeps the checked replay: %s", schedule.why)
                 return None
             plan = refined
-            schedule = MoveSchedule.build(events, plan.program) if plan.moves else None
+            schedule = MoveSchedule.build(events, plan.program, self._budget_bytes) if plan.moves else None
         plan.move_schedule, plan.events = schedule, events
         return plan
 
-    def _refine(self, plan: Plan, keep: frozenset[int]) -> Plan | None:
+    def _refine(self, plan: Plan, keep: frozenset[int], final: bool = True) -> Plan | None:
         """Plan the same trace again with ``keep`` on the device, for a plan the fast path can
-        run; the new plan (returned) replaces ``plan`` when it keeps the budget."""
+        run; the new plan (returned) replaces ``plan`` when it keeps the budget. A ``final``
+        attempt that does not fit ends the re-plans of ``plan``."""
         structure = self._structures.get(plan.signature)
         if (structure is None or plan.refinements >= MAX_REFINEMENTS
                 or plan.program.planned_peak > self._budget_bytes):
@@ -258,9 +264,10 @@ class FastSteps:
         trace = replace(trace, pinned_sids=trace.pinned_sids | keep)
         new = self._plan(plan.signature, trace, structure.keys, plan.program, quiet=True)
         if new.program.planned_peak > self._budget_bytes or new.floor.floor_bytes > self._budget_bytes:
-            logger.debug("keeping %d storage(s) on the device for the fast path would exceed the budget: "
-                         "the plan stays checked (%s)", len(keep), plan.fast_refusal)
-            plan.refinements = MAX_REFINEMENTS
+            logger.debug("keeping %d storage(s) on the device for the fast path would exceed the budget "
+                         "(%s)", len(keep), plan.fast_refusal)
+            if final:
+                plan.refinements = MAX_REFINEMENTS
             return None
         new.refinements = plan.refinements + 1
         new.kept_for_fast = plan.kept_for_fast | keep
@@ -294,4 +301,5 @@ class FastSteps:
             engine.synchronize()
             engine.poll()
 
-        return EventLog(lambda: executor.index, lambda st: sid_of.get(id(st), -1), nbytes.__getitem__, settle)
+        return EventLog(lambda: executor.index, lambda st: sid_of.get(id(st), -1), nbytes.__getitem__, settle,
+                        watch=True)

@@ -51,6 +51,10 @@ class EventLog:
     slot_sid: dict[int, int] = field(default_factory=dict)
     slot_bytes: dict[int, int] = field(default_factory=dict)
     held: frozenset[int] = frozenset()  # slots held past forward by more than the saved tensors
+    # slot -> the first and last forward event at which something beyond the saved tensors
+    # held its storage (``watch``): past its release the fast path cannot free those bytes
+    held_at: dict[int, tuple[int, int]] = field(default_factory=dict)
+    watch: bool = False
     _backward: bool = False  # an unpack came
     _storages: dict[int, weakref.ref] = field(default_factory=dict)
     _tensors: dict[int, list[weakref.ref]] = field(default_factory=dict)
@@ -65,6 +69,8 @@ class EventLog:
                 self._tensors[slot] = []
         if slot in self._tensors:
             self._tensors[slot].append(weakref.ref(t))
+        if self.watch:
+            self._watch_held()
         self.unpack.append(False)
         self.clock.append(self.clock_of())
         self.slot.append(slot)
@@ -81,7 +87,18 @@ class EventLog:
         """What was logged, without the step it was logged from (nothing more can be logged):
         a plan keeps it to place a re-plan's moves on the same events."""
         return EventLog(_logged, _logged, _logged, _logged, list(self.unpack), list(self.clock),
-                        list(self.slot), dict(self.slot_sid), dict(self.slot_bytes), self.held, True)
+                        list(self.slot), dict(self.slot_sid), dict(self.slot_bytes), self.held,
+                        dict(self.held_at), False, True)
+
+    def _watch_held(self) -> None:
+        """At a forward event: which saved storages Python holds beyond the saved tensors (the
+        copies still reading them finish first: they hold them too)."""
+        self.settle()
+        e = len(self.clock)
+        for slot, ref in self._storages.items():
+            storage = ref()
+            if storage is not None and self.slot_sid[slot] >= 0 and self._python_holds(slot, storage):
+                self.held_at[slot] = (self.held_at.get(slot, (e, e))[0], e)
 
     def _held_past_forward(self) -> frozenset[int]:
         """Slots whose storage more tensors reference than the saved ones (and their bases):
@@ -92,25 +109,28 @@ class EventLog:
             storage = ref()
             if storage is None or self.slot_sid[slot] < 0:
                 continue
-            ours: dict[int, Tensor] = {}
-            packs: dict[int, int] = {}  # tensor object -> packs of it (each packed tuple refers to it)
-            for tref in self._tensors[slot]:
-                t = tref()
-                if t is not None:
-                    ours[id(t)] = t
-                    packs[id(t)] = packs.get(id(t), 0) + 1
-                    base = t._base
-                    if base is not None and id(base) not in ours:
-                        ours[id(base)] = base
-                        packs.setdefault(id(base), 0)
-            del t
-            # a tensor the saved ones do not explain holds the storage (one reference is the
-            # storage object we hold here), or Python holds a saved tensor itself (beyond its
-            # packs, ``ours`` and ``getrefcount``'s argument)
-            if torch._C._storage_Use_Count(storage._cdata) - 1 > len(ours) or any(
-                    n and sys.getrefcount(ours[k]) > n + 2 for k, n in packs.items()):
+            if self._python_holds(slot, storage):
                 held.append(slot)
         return frozenset(held)
+
+    def _python_holds(self, slot: int, storage: torch.UntypedStorage) -> bool:
+        """Whether a tensor the saved ones do not explain holds the storage (one reference is
+        its storage object), or Python holds a saved tensor itself (beyond its packs, ``ours``
+        and ``getrefcount``'s argument). Copies still reading it must have let go first."""
+        ours: dict[int, Tensor] = {}
+        packs: dict[int, int] = {}  # tensor object -> packs of it (each packed tuple refers to it)
+        for tref in self._tensors[slot]:
+            t = tref()
+            if t is not None:
+                ours[id(t)] = t
+                packs[id(t)] = packs.get(id(t), 0) + 1
+                base = t._base
+                if base is not None and id(base) not in ours:
+                    ours[id(base)] = base
+                    packs.setdefault(id(base), 0)
+        t = None
+        return torch._C._storage_Use_Count(storage._cdata) - 1 > len(ours) or any(
+            n and sys.getrefcount(ours[k]) > n + 2 for k, n in packs.items())
 
 
 def _logged(*_: Any) -> Any:
@@ -132,9 +152,13 @@ class MoveSchedule:
     backward_peak: int  # the most of them from forward's end on
 
     @classmethod
-    def build(cls, log: EventLog, program: ReplayProgram) -> MoveSchedule | Refusal:
+    def build(cls, log: EventLog, program: ReplayProgram, budget_bytes: int | None = None
+              ) -> MoveSchedule | Refusal:
         """The schedule, or why this plan cannot run at saved-tensor events (and which
-        storages it would have to keep on the device to run there)."""
+        storages it would have to keep on the device to run there). With ``budget_bytes``,
+        storages Python held past the plan's release in the logged step are refused where
+        the fast path, which cannot free them while held, would hold more than the budget:
+        the step would fall back to the dispatch mode."""
         n_events = len(log.clock)
         clock = np.asarray(log.clock, dtype=np.int64)
         unpacks = np.flatnonzero(np.asarray(log.unpack, dtype=bool))
@@ -148,6 +172,7 @@ class MoveSchedule:
             sid = log.slot_sid[slot]
             if sid in program.moved and slot_of.get(sid) == slot:
                 bad.setdefault(sid, "Python holds it past forward")
+        planned = _ahead(np.asarray(program.planned_resident, dtype=np.int64), clock)
         slots_arr = np.asarray(log.slot, dtype=np.int64)
         unpacks_of = {int(slot): unpacks[slots_arr[unpacks] == slot]
                       for slot in np.unique(slots_arr[unpacks])}
@@ -205,17 +230,46 @@ class MoveSchedule:
                 actions.setdefault(max(int(uses[0]) - 1, forward_end), []).append((H2D, slot))
                 if uses[-1] + 1 < n_events:
                     actions.setdefault(int(uses[-1]) + 1, []).append((RELEASE, slot))
+        advisory = False
+        if budget_bytes is not None and log.held_at and not bad:
+            bad.update(_held_over_budget(log, actions, planned, forward_end, budget_bytes))
+            advisory = bool(bad)
         if bad:
             sid, why = next(iter(bad.items()))
             held = {log.slot_sid[slot] for slot in log.held} - {-1}  # a re-plan must not move these either
             return Refusal(f"{len(bad)} moved storage(s) cannot move at saved-tensor events "
-                           f"(storage {sid}: {why})", frozenset(bad) | frozenset(held))
+                           f"(storage {sid}: {why})", frozenset(bad) | frozenset(held), advisory)
         moved = frozenset(slot_of[s] for s in program.moved)
-        planned = _ahead(np.asarray(program.planned_resident, dtype=np.int64), clock)
         return cls({e: tuple(a) for e, a in actions.items()}, moved, tuple(log.slot), forward_end,
                    sum(aligned(log.slot_bytes[slot]) for slot in moved),
                    {slot_of[s]: s for s in program.moved}, {slot: log.slot_bytes[slot] for slot in moved},
                    planned, max(planned[forward_end:], default=0))
+
+
+def _held_over_budget(log: EventLog, actions: dict[int, list[tuple[int, int]]], planned: tuple[int, ...],
+                      forward_end: int, budget_bytes: int) -> dict[int, str]:
+    """The storages the fast path would find Python holding after their release in forward
+    (as the logged step held them), where the plan's bytes plus theirs exceed the budget: the
+    fast step would fall back to the dispatch mode there, so they are kept instead."""
+    released = {slot: e for e, acts in actions.items() for code, slot in acts
+                if code in (RELEASE, RELEASE_FINAL) and e < forward_end}
+    extra = np.zeros(forward_end, dtype=np.int64)
+    spans = []
+    for slot, (first, last) in log.held_at.items():
+        r = released.get(slot)
+        # (the fast path looks at what is held before an event's actions: from the next one on)
+        if r is not None and max(first, r + 1) <= last:
+            extra[max(first, r + 1):last + 1] += log.slot_bytes[slot]
+            spans.append((log.slot_sid[slot], max(first, r + 1), last))
+    if not spans:
+        return {}
+    fast = np.asarray(planned[:forward_end], dtype=np.int64)
+    if len(fast):  # at forward's last event the fast path counts what is held beside backward
+        fast[-1] = max(int(fast[-1]), max(planned[forward_end:], default=0))
+    over = np.flatnonzero(fast + extra > budget_bytes)
+    # the ones held at an event over the budget, as the fast step would find them there
+    return {sid: "Python holds it past its release, over the budget" for sid, a, b in spans
+            if bool(((over >= a) & (over <= b)).any())}
 
 
 def _ahead(resident: np.ndarray, clock: np.ndarray) -> tuple[int, ...]:
@@ -235,3 +289,6 @@ class Refusal:
 
     why: str
     sids: frozenset[int]
+    # only storages Python held past their release over the budget in the logged step: the
+    # plan can still run fast, at the cost of a fallback where a step holds them that way
+    advisory: bool = False
