@@ -346,3 +346,43 @@ def test_a_storage_the_checked_replay_saw_held_past_its_release_is_kept_before_t
     plan = session._current
     assert plan is not None and plan.kept_for_fast and not plan.kept_for_fast & plan.program.moved, plan
     assert all(r.held_past_release_bytes == 0 for r in reports)
+
+
+def _hf_gpt2() -> torch.nn.Module:
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=256, n_embd=64, n_layer=4, n_head=4, n_positions=64))
+
+
+def test_hf_gpt2_keeps_saved_views_bases_python_holds_before_the_first_fast_step() -> None:
+    """HF GPT-2 in training (dropout on) holds, past the plan's release, the bases of views
+    its backward saves. The checked replay sees a base held (one reference more than a tensor
+    only C++ keeps), so the plan keeps those storages before the first fast step, which then
+    does not fall back (it did until 2026-12-07: W C B F)."""
+    torch.set_num_threads(1)
+    plain, off = _hf_gpt2(), _hf_gpt2()
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
+    probe = OffloadSession(OffloadConfig(max_resident_activation_mb=1e6))
+    with probe:
+        _hf_gpt2()(input_ids=ids, labels=ids).loss.backward()
+    assert probe.last_report is not None
+    budget = probe.last_report.peak_resident_bytes * 0.5
+    # the greedy planner: which storages it moves does not depend on op timings
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=budget / MIB, planner="greedy"))
+    paths = []
+    for step in range(4):
+        torch.manual_seed(step)  # the same dropout masks
+        plain(input_ids=ids, labels=ids).loss.backward()
+        torch.manual_seed(step)
+        with session:
+            off(input_ids=ids, labels=ids).loss.backward()
+        report = session.last_report
+        assert report is not None and report.peak_resident_bytes <= budget * 1.05, report
+        paths.append(report.replay_path)
+        for (name, a), b in zip(plain.named_parameters(), off.parameters(), strict=True):
+            assert torch.equal(a.grad, b.grad), (name, report)
+        plain.zero_grad(set_to_none=True)
+        off.zero_grad(set_to_none=True)
+    assert paths == [None, "checked", "fast", "fast"] and session.last_report.bytes_d2h > 0, paths

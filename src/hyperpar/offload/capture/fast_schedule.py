@@ -97,7 +97,7 @@ class EventLog:
         e = len(self.clock)
         for slot, ref in self._storages.items():
             storage = ref()
-            if storage is not None and self.slot_sid[slot] >= 0 and self._python_holds(slot, storage):
+            if storage is not None and self.slot_sid[slot] >= 0 and self._python_holds(slot, storage, True):
                 self.held_at[slot] = (self.held_at.get(slot, (e, e))[0], e)
 
     def _held_past_forward(self) -> frozenset[int]:
@@ -113,10 +113,13 @@ class EventLog:
                 held.append(slot)
         return frozenset(held)
 
-    def _python_holds(self, slot: int, storage: torch.UntypedStorage) -> bool:
+    def _python_holds(self, slot: int, storage: torch.UntypedStorage, bases: bool = False) -> bool:
         """Whether a tensor the saved ones do not explain holds the storage (one reference is
         its storage object), or Python holds a saved tensor itself (beyond its packs, ``ours``
-        and ``getrefcount``'s argument). Copies still reading it must have let go first."""
+        and ``getrefcount``'s argument), or with ``bases`` the base of a saved view (beyond
+        ``ours``, the argument and the reference torch keeps for a tensor only C++ holds: a
+        key/value cache keeps the base whose view attention saved). Copies still reading it
+        must have let go first."""
         ours: dict[int, Tensor] = {}
         packs: dict[int, int] = {}  # tensor object -> packs of it (each packed tuple refers to it)
         for tref in self._tensors[slot]:
@@ -128,9 +131,10 @@ class EventLog:
                 if base is not None and id(base) not in ours:
                     ours[id(base)] = base
                     packs.setdefault(id(base), 0)
-        t = None
+        t = base = None
         return torch._C._storage_Use_Count(storage._cdata) - 1 > len(ours) or any(
-            n and sys.getrefcount(ours[k]) > n + 2 for k, n in packs.items())
+            sys.getrefcount(ours[k]) > n + 2 if n else bases and sys.getrefcount(ours[k]) > 3
+            for k, n in packs.items())
 
 
 def _logged(*_: Any) -> Any:
