@@ -264,8 +264,9 @@ def test_hf_llama_at_half_its_peak_takes_the_fast_path() -> None:
     # re-plans place their moves on the events of the one checked replay (no checked step
     # each: fast from 7 under the chaos engine before that), which also saw Python hold
     # storages past the plan's release (a layer's input) where the fast path would have fallen
-    # back: warmup, checked, fast on every engine
-    _settled(paths, within=2)
+    # back: warmup, checked, fast on every engine here (the timed plan, which op timings
+    # shape, may differ on a loaded machine: one more step allowed)
+    _settled(paths, within=3)
     assert session.last_report.bytes_d2h > 0, paths
 
 
