@@ -83,7 +83,7 @@ def test_a_moved_storage_larger_than_the_plans_leaves_the_plan() -> None:
     """Saved tensors can fit the plan's while their storage does not (a view of a larger
     base): the step leaves the plan at that pack, before anything of it moves."""
     schedule = MoveSchedule(actions={}, moved_slots=frozenset({0}), slots=(0,), forward_end=1, host_bytes=64,
-                            slot_sid={0: 7}, slot_bytes={0: 64}, planned=(64,), backward_peak=0)
+                            slot_sid={0: 7}, slot_bytes={0: 64}, planned=(64,))
     pool = HostPool(1 << 20)
     moving = MovingStep(schedule, SyncCopyEngine(), pool, torch.device("cpu"), 1 << 20)
     told: list[str] = []

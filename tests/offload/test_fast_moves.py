@@ -6,6 +6,8 @@ stay bitwise, the released bytes are really freed, and whatever the fast path ca
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -236,22 +238,28 @@ def _hf_llama() -> torch.nn.Module:
         num_key_value_heads=2, max_position_embeddings=64))
 
 
-def test_hf_llama_at_half_its_peak_takes_the_fast_path() -> None:
-    """A real client: HF Llama at half its activation peak moves bytes on the fast path,
-    bitwise, within the budget (where its plan moved storages only the dispatch mode can,
-    such as the rotary tables every layer reads, the session plans again with them kept)."""
+def _ids(vocab: int, length: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, length), generator=torch.Generator().manual_seed(1))
+
+
+def _hf_steps(build: Callable[[], torch.nn.Module], ids: torch.Tensor, steps: int, **config: Any
+              ) -> tuple[OffloadSession, list[str | None]]:
+    """Steps of an HF model plainly and in a session at half its activation peak, each bitwise
+    compared and within the budget (the same dropout masks in both: seeded per step); the
+    session and the path each step took."""
     torch.set_num_threads(1)
-    plain, off = _hf_llama(), _hf_llama()
-    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    plain, off = build(), build()
     probe = OffloadSession(OffloadConfig(max_resident_activation_mb=1e6))
     with probe:
-        _hf_llama()(input_ids=ids, labels=ids).loss.backward()
+        build()(input_ids=ids, labels=ids).loss.backward()
     assert probe.last_report is not None
     budget = probe.last_report.peak_resident_bytes * 0.5
-    session = OffloadSession(OffloadConfig(max_resident_activation_mb=budget / MIB))
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=budget / MIB, **config))
     paths = []
-    for _ in range(9):
+    for step in range(steps):
+        torch.manual_seed(step)
         plain(input_ids=ids, labels=ids).loss.backward()
+        torch.manual_seed(step)
         with session:
             off(input_ids=ids, labels=ids).loss.backward()
         report = session.last_report
@@ -261,6 +269,14 @@ def test_hf_llama_at_half_its_peak_takes_the_fast_path() -> None:
             assert torch.equal(a.grad, b.grad), (name, report)
         plain.zero_grad(set_to_none=True)
         off.zero_grad(set_to_none=True)
+    return session, paths
+
+
+def test_hf_llama_at_half_its_peak_takes_the_fast_path() -> None:
+    """A real client: HF Llama at half its activation peak moves bytes on the fast path,
+    bitwise, within the budget (where its plan moved storages only the dispatch mode can,
+    such as the rotary tables every layer reads, the session plans again with them kept)."""
+    session, paths = _hf_steps(_hf_llama, _ids(128, 32), 9)
     # re-plans place their moves on the events of the one checked replay (no checked step
     # each: fast from 7 under the chaos engine before that), which also saw Python hold
     # storages past the plan's release (a layer's input) where the fast path would have fallen
@@ -362,28 +378,6 @@ def test_hf_gpt2_keeps_saved_views_bases_python_holds_before_the_first_fast_step
     its backward saves. The checked replay sees a base held (one reference more than a tensor
     only C++ keeps), so the plan keeps those storages before the first fast step, which then
     does not fall back (it did until 2026-12-07: W C B F)."""
-    torch.set_num_threads(1)
-    plain, off = _hf_gpt2(), _hf_gpt2()
-    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
-    probe = OffloadSession(OffloadConfig(max_resident_activation_mb=1e6))
-    with probe:
-        _hf_gpt2()(input_ids=ids, labels=ids).loss.backward()
-    assert probe.last_report is not None
-    budget = probe.last_report.peak_resident_bytes * 0.5
     # the greedy planner: which storages it moves does not depend on op timings
-    session = OffloadSession(OffloadConfig(max_resident_activation_mb=budget / MIB, planner="greedy"))
-    paths = []
-    for step in range(4):
-        torch.manual_seed(step)  # the same dropout masks
-        plain(input_ids=ids, labels=ids).loss.backward()
-        torch.manual_seed(step)
-        with session:
-            off(input_ids=ids, labels=ids).loss.backward()
-        report = session.last_report
-        assert report is not None and report.peak_resident_bytes <= budget * 1.05, report
-        paths.append(report.replay_path)
-        for (name, a), b in zip(plain.named_parameters(), off.parameters(), strict=True):
-            assert torch.equal(a.grad, b.grad), (name, report)
-        plain.zero_grad(set_to_none=True)
-        off.zero_grad(set_to_none=True)
+    session, paths = _hf_steps(_hf_gpt2, _ids(256, 64), 4, planner="greedy")
     assert paths == [None, "checked", "fast", "fast"] and session.last_report.bytes_d2h > 0, paths

@@ -163,6 +163,19 @@ def _engine(name: str) -> tuple[Any, Callable[[], list[str]]]:
     return name, lambda: []
 
 
+def _case(alias: str, write: str, when: str, keep: bool, engine: str, write_step: int, steps: int,
+          fraction: float, **config: Any) -> list[Any]:
+    """One case against plain PyTorch (``_compare``), on a copy engine that broke no copy
+    rule; the session's reports. Plain raises or not as ``_expected_plain`` says."""
+    copy_engine, violations = _engine(engine)
+    outcomes, reports = _compare(
+        lambda kept: _writing(ALIASES[alias], WRITES[write], when, keep, write_step, kept), write_step, steps,
+        fraction, copy_engine=copy_engine, **config)
+    assert outcomes[write_step] == _expected_plain(alias, write)
+    assert violations() == []
+    return reports
+
+
 @pytest.mark.parametrize("engine", ["auto", "sync", "stream", "chaos"])
 @pytest.mark.parametrize(("alias", "write", "when", "keep"), _params())
 def test_on_the_fast_path_and_its_fallback(alias: str, write: str, when: str, keep: bool,
@@ -170,38 +183,24 @@ def test_on_the_fast_path_and_its_fallback(alias: str, write: str, when: str, ke
     """Written on the step after the session reached its fast path at 50 % of the peak: the
     step runs fast (the alias dropped before the plan releases the storage) or falls back
     (Python holds what the plan released over the budget); either way plain's outcome."""
-    copy_engine, violations = _engine(engine)
-    outcomes, reports = _compare(
-        lambda kept: _writing(ALIASES[alias], WRITES[write], when, keep, 6, kept), 6, 8, FRACTION,
-        copy_engine=copy_engine)
-    assert outcomes[6] == _expected_plain(alias, write)
+    reports = _case(alias, write, when, keep, engine, 6, 8, FRACTION)
     paths = [r.replay_path for r in reports]
     assert paths[5] == "fast", paths  # the write lands on a fast step, or on its fallback
     assert reports[5].bytes_d2h > 0, reports[5]
-    assert violations() == []
 
 
 @pytest.mark.parametrize("engine", ["auto", "stream"])
 @pytest.mark.parametrize(("alias", "write", "when", "keep"), _params())
 def test_on_the_checked_replay(alias: str, write: str, when: str, keep: bool, engine: str) -> None:
-    copy_engine, violations = _engine(engine)
-    outcomes, reports = _compare(
-        lambda kept: _writing(ALIASES[alias], WRITES[write], when, keep, 2, kept), 2, 4, 0.5,
-        fast_replay=False, copy_engine=copy_engine)
-    assert outcomes[2] == _expected_plain(alias, write)
+    reports = _case(alias, write, when, keep, engine, 2, 4, 0.5, fast_replay=False)
     assert reports[1].replay_path == "checked" and reports[1].bytes_d2h > 0, reports[1]
-    assert violations() == []
 
 
 @pytest.mark.parametrize("engine", ["auto", "stream"])
 @pytest.mark.parametrize(("alias", "write", "when", "keep"), _params())
 def test_on_the_warmup(alias: str, write: str, when: str, keep: bool, engine: str) -> None:
-    copy_engine, violations = _engine(engine)
-    outcomes, reports = _compare(
-        lambda kept: _writing(ALIASES[alias], WRITES[write], when, keep, 0, kept), 0, 2, 0.5,
-        copy_engine=copy_engine)
-    assert violations() == []
-    assert outcomes[0] == _expected_plain(alias, write)
-    if outcomes[0] == "ok":  # (a warmup that raised leaves no report, and is taken again)
+    reports = _case(alias, write, when, keep, engine, 0, 2, 0.5)
+    raised = _expected_plain(alias, write) == "raised"
+    if not raised:  # (a warmup that raised leaves no report, and is taken again)
         assert reports[0].phase == "warmup" and reports[0].bytes_d2h > 0, reports[0]
-    assert reports[1].phase == "warmup" if outcomes[0] == "raised" else reports[1].replay_path == "checked"
+    assert reports[1].phase == "warmup" if raised else reports[1].replay_path == "checked"

@@ -175,7 +175,7 @@ class MovingStep:
                 if acts is not None:
                     self._run(acts, e)
         elif self._held:  # off the plan: storages Python let go of still leave the device
-            self.alive_held()
+            self._alive_held()
         if len(packed) == 3:
             t, version = packed[0], packed[1]
         else:
@@ -218,16 +218,12 @@ class MovingStep:
         lets go (a layer's input the caller holds until the layer returns): at event ``e``
         the plan's resident bytes plus those must still fit the budget. In forward, a step
         they do not fit in goes on with the dispatch mode (``on_held``), which can evict them."""
-        schedule = self.schedule
-        # at forward's last saved tensor, what is still held will most likely be held through
-        # backward: it must fit beside the plan's bytes there too
-        planned = schedule.planned[e] if e != schedule.forward_end - 1 else max(
-            schedule.planned[e], schedule.backward_peak)
+        planned = self.schedule.planned[e]  # (at forward's last saved tensor, backward's peak too)
         if planned + self._held_bytes <= self.worst:
             # the count is at least what is still held: nothing can be over ``worst`` (which
             # is within the budget while the step is on its plan in forward), so no look
             return
-        held = self.alive_held()
+        held = self._alive_held()
         if not held:
             return
         resident = planned + self._held_bytes
@@ -241,7 +237,7 @@ class MovingStep:
                 self.on_held(f"{len(held)} storage(s) the plan released are still held by Python, over the "
                              f"budget (storage {self.schedule.slot_sid[held[0][0]]} first)")
 
-    def alive_held(self) -> list[tuple[int, _Slot]]:
+    def _alive_held(self) -> list[tuple[int, _Slot]]:
         """``_held`` without the storages nothing else holds any more (``_let_go``), and
         ``_held_bytes`` exact again."""
         held = []
@@ -377,7 +373,7 @@ class MovingStep:
     def _forward_ended(self) -> None:
         """What forward released that Python still holds (at the first unpack, or the step's
         end): kept on the device through backward, past the plan."""
-        held = self.alive_held()
+        held = self._alive_held()
         self.held_past_release = self._held_bytes
         self.held_sids = frozenset(self.schedule.slot_sid[slot] for slot, _ in held)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -86,9 +86,10 @@ class EventLog:
     def frozen(self) -> EventLog:
         """What was logged, without the step it was logged from (nothing more can be logged):
         a plan keeps it to place a re-plan's moves on the same events."""
-        return EventLog(_logged, _logged, _logged, _logged, list(self.unpack), list(self.clock),
-                        list(self.slot), dict(self.slot_sid), dict(self.slot_bytes), self.held,
-                        dict(self.held_at), False, True)
+        return replace(self, clock_of=_logged, sid_of=_logged, size_of=_logged, settle=_logged,
+                       unpack=list(self.unpack), clock=list(self.clock), slot=list(self.slot),
+                       slot_sid=dict(self.slot_sid), slot_bytes=dict(self.slot_bytes),
+                       held_at=dict(self.held_at), watch=False, _backward=True, _storages={}, _tensors={})
 
     def _watch_held(self) -> None:
         """At a forward event: which saved storages Python holds beyond the saved tensors (the
@@ -152,8 +153,10 @@ class MoveSchedule:
     host_bytes: int  # the moved storages' bytes, as the checked replay measured them (aligned)
     slot_sid: dict[int, int]  # each moved slot's storage id in the plan
     slot_bytes: dict[int, int]  # each moved slot's size, as the checked replay measured it
-    planned: tuple[int, ...]  # the plan's most resident bytes from each event to the next
-    backward_peak: int  # the most of them from forward's end on
+    # the plan's most resident bytes from each event to the next; at forward's last event,
+    # backward's peak too: what Python still holds there will most likely be held through
+    # backward, beside the plan's bytes (what storages held past their release must fit by)
+    planned: tuple[int, ...]
 
     @classmethod
     def build(cls, log: EventLog, program: ReplayProgram, budget_bytes: int | None = None
@@ -176,7 +179,7 @@ class MoveSchedule:
             sid = log.slot_sid[slot]
             if sid in program.moved and slot_of.get(sid) == slot:
                 bad.setdefault(sid, "Python holds it past forward")
-        planned = _ahead(np.asarray(program.planned_resident, dtype=np.int64), clock)
+        planned = _ahead(np.asarray(program.planned_resident, dtype=np.int64), clock, forward_end)
         slots_arr = np.asarray(log.slot, dtype=np.int64)
         unpacks_of = {int(slot): unpacks[slots_arr[unpacks] == slot]
                       for slot in np.unique(slots_arr[unpacks])}
@@ -247,7 +250,7 @@ class MoveSchedule:
         return cls({e: tuple(a) for e, a in actions.items()}, moved, tuple(log.slot), forward_end,
                    sum(aligned(log.slot_bytes[slot]) for slot in moved),
                    {slot_of[s]: s for s in program.moved}, {slot: log.slot_bytes[slot] for slot in moved},
-                   planned, max(planned[forward_end:], default=0))
+                   planned)
 
 
 def _held_over_budget(log: EventLog, actions: dict[int, list[tuple[int, int]]], planned: tuple[int, ...],
@@ -267,24 +270,25 @@ def _held_over_budget(log: EventLog, actions: dict[int, list[tuple[int, int]]], 
             spans.append((log.slot_sid[slot], max(first, r + 1), last))
     if not spans:
         return {}
-    fast = np.asarray(planned[:forward_end], dtype=np.int64)
-    if len(fast):  # at forward's last event the fast path counts what is held beside backward
-        fast[-1] = max(int(fast[-1]), max(planned[forward_end:], default=0))
-    over = np.flatnonzero(fast + extra > budget_bytes)
+    over = np.flatnonzero(np.asarray(planned[:forward_end], dtype=np.int64) + extra > budget_bytes)
     # the ones held at an event over the budget, as the fast step would find them there
     return {sid: "Python holds it past its release, over the budget" for sid, a, b in spans
             if bool(((over >= a) & (over <= b)).any())}
 
 
-def _ahead(resident: np.ndarray, clock: np.ndarray) -> tuple[int, ...]:
+def _ahead(resident: np.ndarray, clock: np.ndarray, forward_end: int) -> tuple[int, ...]:
     """Per event: the most the plan holds from the op before it up to the op before the next
-    event, so a check at an event covers the ops it lets run."""
+    event, so a check at an event covers the ops it lets run; at forward's last event, the
+    most it holds in backward too."""
     if not len(resident) or not len(clock):
         return tuple(0 for _ in clock)
     start = np.clip(clock - 1, 0, len(resident) - 1)
     seg = np.maximum.reduceat(resident, start)
     end = np.append(start[1:], len(resident) - 1)
-    return tuple(np.maximum(seg, resident[end]).tolist())
+    ahead = np.maximum(seg, resident[end])
+    if 0 < forward_end < len(ahead):
+        ahead[forward_end - 1] = max(ahead[forward_end - 1], ahead[forward_end:].max())
+    return tuple(ahead.tolist())
 
 
 @dataclass(frozen=True, slots=True)
