@@ -103,8 +103,8 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_graph_sees_lazy_imports() -> None:
     graph = _graph()
-    assert "hyperpar.offload.capture.replay" in graph
-    assert graph["hyperpar.offload.capture.replay"], "the parser found no imports"
+    assert "hyperpar.offload.capture.checked.replay" in graph
+    assert graph["hyperpar.offload.capture.checked.replay"], "the parser found no imports"
 
 
 def test_no_import_cycles_among_hyperpar_modules() -> None:
@@ -112,3 +112,32 @@ def test_no_import_cycles_among_hyperpar_modules() -> None:
     assert not cycles, "import circles (function-level imports count):\n" + "\n".join(
         " <-> ".join(c) for c in cycles
     )
+
+
+# capture's rooms, lowest first: each may import only from the rooms below it (and itself)
+CAPTURE = "hyperpar.offload.capture"
+CAPTURE_ROOMS = ("ops", "mode", "tracing", "checked", "fast")
+MAX_CAPTURE_LINES = 420
+
+
+def _room(module: str) -> str | None:
+    rest = module.removeprefix(CAPTURE + ".")
+    return rest.split(".")[0] if rest != module and rest.split(".")[0] in CAPTURE_ROOMS else None
+
+
+def test_capture_rooms_import_only_downward() -> None:
+    graph = _graph()
+    rooms = {m: _room(m) for m in graph}
+    assert {r for r in rooms.values() if r} == set(CAPTURE_ROOMS), "a room has no modules"
+    loose = [m for m in graph if m.startswith(CAPTURE + ".") and rooms[m] is None]
+    assert not loose, f"capture modules outside its rooms: {loose}"
+    upward = [(m, t) for m, targets in graph.items() if rooms[m] for t in targets
+              if rooms[t] and CAPTURE_ROOMS.index(rooms[t]) > CAPTURE_ROOMS.index(rooms[m])]
+    assert not upward, "capture imports pointing up its rooms (" + " < ".join(CAPTURE_ROOMS) + "):\n" + \
+        "\n".join(f"{m} -> {t}" for m, t in upward)
+
+
+def test_capture_files_stay_small() -> None:
+    long = {str(p.relative_to(SRC)): n for p in (SRC / PACKAGE / "offload" / "capture").rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_CAPTURE_LINES}
+    assert not long, f"capture files over {MAX_CAPTURE_LINES} lines: {long}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from hyperpar.offload.capture.op_args import tensor_inputs, written_tensors
+from hyperpar.offload.capture.ops.op_args import tensor_inputs, written_tensors
 
 
 def test_nested_tensor_lists_are_inputs() -> None:

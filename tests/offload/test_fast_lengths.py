@@ -12,9 +12,9 @@ import weakref
 import torch
 
 from hyperpar.offload import OffloadConfig, OffloadSession
-from hyperpar.offload.capture.fast_moves import MovingStep
-from hyperpar.offload.capture.fast_schedule import MoveSchedule
-from hyperpar.offload.capture.saved_tensor_guard import covers
+from hyperpar.offload.capture.fast.fast_moves import MovingStep
+from hyperpar.offload.capture.fast.fast_schedule import MoveSchedule
+from hyperpar.offload.capture.fast.saved_tensor_guard import covers
 from hyperpar.offload.runtime import HostPool, SyncCopyEngine
 from tests.offload.test_fast_moves import _budget, _settled
 from tests.offload.test_fast_replay import _aliasing, _plain_body, _run, _steps, _weights

@@ -1,4 +1,4 @@
-"""The fast path for plans that move bytes (``capture.fast_moves``): after a clean checked
+"""The fast path for plans that move bytes (``capture.fast.fast_moves``): after a clean checked
 replay, the plan's copies run at saved-tensor events without the dispatch mode; gradients
 stay bitwise, the released bytes are really freed, and whatever the fast path cannot do
 (a storage Python keeps, a departure, a graph kept past the step) is caught or handled."""

@@ -4,7 +4,7 @@ raises where plain PyTorch raises (a write through the tensor, a view, ``.detach
 dropped every alias) and otherwise computes from the written bytes, bitwise, never from a
 host copy taken before the write (``.data`` shares the bytes but not the counter).
 
-The fast path (``capture.fast_moves``) keeps moved saved tensors only weakly: without its
+The fast path (``capture.fast.fast_moves``) keeps moved saved tensors only weakly: without its
 version keepers, its live-bytes rule (a storage something else holds is not freed, and unpack
 reads it) and its ``.data`` re-copy, the fast and fallback cases here fail (issue 43: no error
 where plain raises; gradients from the stale host copy)."""

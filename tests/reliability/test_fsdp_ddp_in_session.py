@@ -7,7 +7,7 @@ Regressions found here: FSDP2's all-gather outputs and reduce-scatter inputs (to
 its ``fsdp::`` ops) were moved by the plan at 0 % (fixed: ``fsdp`` ops pin what they touch);
 DDP's bucket rebuild (second iteration) read an index tensor through a C++ accessor after
 warmup had evicted it, and the ranks disagreed on the bucket sizes at 0 % (fixed:
-``capture/native_callers.py``)."""
+``capture/mode/native_callers.py``)."""
 
 from __future__ import annotations
 

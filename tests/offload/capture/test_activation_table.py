@@ -7,7 +7,7 @@ import gc
 
 import torch
 
-from hyperpar.offload.capture.activation_table import ActivationTable
+from hyperpar.offload.capture.ops.activation_table import ActivationTable
 
 
 def _storage(n: int) -> torch.UntypedStorage:

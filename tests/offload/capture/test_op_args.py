@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hyperpar.offload import OffloadConfig, OffloadSession
 from hyperpar.offload.capture import tensor_inputs, written_tensors
-from hyperpar.offload.capture.op_args import nested_tensors
+from hyperpar.offload.capture.ops.op_args import nested_tensors
 from hyperpar.offload.ir import AccessKind
 
 aten = torch.ops.aten

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hyperpar.offload import OffloadConfig, OffloadSession
-from hyperpar.offload.capture.output_bytes import PREDICTORS, predicted_bytes
+from hyperpar.offload.capture.ops.output_bytes import PREDICTORS, predicted_bytes
 from tests.step_context import step_context
 
 MIB = 1 << 20

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from array import array
 
-from hyperpar.offload.capture.prefix_hash import prefix_hashes
+from hyperpar.offload.capture.checked.prefix_hash import prefix_hashes
 
 
 def _hashes(in_sids: list[list[int]], binds: list[list[tuple[int, int]]], keys: list[object] | None = None,

@@ -1,4 +1,4 @@
-"""Version keepers (``capture.saved_versions``): the saved tensor's version counter without
+"""Version keepers (``capture.fast.saved_versions``): the saved tensor's version counter without
 its bytes, so the fast path raises where plain autograd raises after Python dropped the
 tensor, and frees the bytes plain autograd would keep."""
 
@@ -9,7 +9,7 @@ import weakref
 import pytest
 import torch
 
-from hyperpar.offload.capture.saved_versions import checked_version, version_keeper
+from hyperpar.offload.capture.fast.saved_versions import checked_version, version_keeper
 
 
 def _saved() -> torch.Tensor:

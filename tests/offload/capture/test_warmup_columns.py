@@ -10,8 +10,8 @@ import torch
 
 from hyperpar.models import GPT, GPTConfig, random_batch
 from hyperpar.offload import OffloadConfig, OffloadSession, skip_offload
-from hyperpar.offload.capture.executor_base import ExecutorBase
-from hyperpar.offload.capture.warmup import WarmupExecutor, recorded_trace
+from hyperpar.offload.capture.mode.executor_base import ExecutorBase
+from hyperpar.offload.capture.tracing.warmup import WarmupExecutor, recorded_trace
 from hyperpar.offload.ir.packed import PackedTrace
 from hyperpar.offload.ir.packed_view import LazyList
 

@@ -25,7 +25,7 @@ from tests.offload.verify.aliasing_models import (
 from tests.offload.verify.lockstep import Lockstep, measured_peak, session_at
 
 FRACTIONS = (0.0, 0.25, 0.5, 0.75)
-REPLAY_LOGGER = "hyperpar.offload.capture.replay"
+REPLAY_LOGGER = "hyperpar.offload.capture.checked.replay"
 STEPS = 10  # a, b, a, b, ...: the last SETTLED steps must replay a learned plan
 SETTLED = 3
 

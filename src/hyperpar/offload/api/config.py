@@ -53,7 +53,7 @@ class OffloadConfig:
     # without offload); that first step runs under max_resident_activation_mb. None: off.
     max_resident_fraction: float | None = None
     # A step whose plan moves nothing runs without the dispatch mode once a checked replay of
-    # it ran clean (saved tensors fingerprinted instead; see capture/fast_replay.py)
+    # it ran clean (saved tensors fingerprinted instead; see capture/fast/fast_replay.py)
     fast_replay: bool = True
 
     def __post_init__(self) -> None:

@@ -1,4 +1,4 @@
-"""The session's side of the fast path (``capture.fast_replay``): when a step may take it,
+"""The session's side of the fast path (``capture.fast.fast_replay``): when a step may take it,
 what a departure switches to, and what the session learns from a fast or checked step."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import torch
 
 from hyperpar.offload.api.plans import FastStep, Plan
 from hyperpar.offload.capture import ExecutorBase, OffloadDispatchMode, ReplayExecutor, host_reads
-from hyperpar.offload.capture.fast_moves import MovingStep
-from hyperpar.offload.capture.fast_replay import FallbackExecutor
-from hyperpar.offload.capture.fast_schedule import EventLog, MoveSchedule, Refusal
-from hyperpar.offload.capture.replay_program import size_bucket
-from hyperpar.offload.capture.saved_tensor_guard import SavedTensorGuard, covers, covers_all
+from hyperpar.offload.capture.checked.replay_program import size_bucket
+from hyperpar.offload.capture.fast.fast_moves import MovingStep
+from hyperpar.offload.capture.fast.fast_replay import FallbackExecutor
+from hyperpar.offload.capture.fast.fast_schedule import EventLog, MoveSchedule, Refusal
+from hyperpar.offload.capture.fast.saved_tensor_guard import SavedTensorGuard, covers, covers_all
 from hyperpar.offload.ir.report import StepReport
 
 logger = logging.getLogger("hyperpar.offload.api.session")

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from hyperpar.offload.capture import ReplayProgram
-from hyperpar.offload.capture.fast_moves import MovingStep
-from hyperpar.offload.capture.fast_schedule import EventLog, MoveSchedule
-from hyperpar.offload.capture.prefix_hash import key_hashes
-from hyperpar.offload.capture.saved_tensor_guard import Fingerprint, SavedTensorGuard
+from hyperpar.offload.capture.checked.prefix_hash import key_hashes
+from hyperpar.offload.capture.fast.fast_moves import MovingStep
+from hyperpar.offload.capture.fast.fast_schedule import EventLog, MoveSchedule
+from hyperpar.offload.capture.fast.saved_tensor_guard import Fingerprint, SavedTensorGuard
 from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
 from hyperpar.offload.ir.packed import PackedTrace
 from hyperpar.offload.ir.packed_schedule import PackedSchedule
@@ -37,8 +37,8 @@ class Plan:
     total_bytes: int  # of every activation, at the sizes it was planned for
     floor: BudgetFloor
     # the saved tensors' fingerprints of a clean checked replay of this plan: later steps may
-    # take the fast path (``capture.fast_replay``); a plan that moves bytes needs its moves at
-    # saved-tensor events too (``capture.fast_moves``), else ``fast_refusal`` says why not
+    # take the fast path (``capture.fast.fast_replay``); a plan that moves bytes needs its moves at
+    # saved-tensor events too (``capture.fast.fast_moves``), else ``fast_refusal`` says why not
     packs: tuple[Fingerprint, ...] | None = None
     move_schedule: MoveSchedule | None = None
     fast_refusal: str | None = None

@@ -47,8 +47,8 @@ from hyperpar.offload.capture import (
     host_reads,
     size_bucket,
 )
-from hyperpar.offload.capture.fast_replay import FallbackExecutor
-from hyperpar.offload.capture.saved_tensor_guard import SavedTensorGuard
+from hyperpar.offload.capture.fast.fast_replay import FallbackExecutor
+from hyperpar.offload.capture.fast.saved_tensor_guard import SavedTensorGuard
 from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
 from hyperpar.offload.ir.packed import PackedTrace
 from hyperpar.offload.ir.packed_schedule import PackedSchedule

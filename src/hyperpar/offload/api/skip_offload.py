@@ -18,7 +18,7 @@ def skip_offload(fn: F) -> F:
 
     A torch.compile'd ``fn`` (``torch.compile(f)``, a module compiled with ``module.compile()``)
     becomes a compiled region: it runs compiled, with the session's dispatch mode suspended
-    (see ``capture/compiled.py``).
+    (see ``capture/mode/compiled.py``).
     """
     if not callable(fn):
         raise TypeError(f"skip_offload needs a callable, got {fn!r} of type {type(fn).__name__}")

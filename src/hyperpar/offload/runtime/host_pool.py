@@ -33,7 +33,7 @@ from hyperpar.offload.runtime.normal_tensors import made_outside_inference_mode
 
 logger = logging.getLogger(__name__)
 # ``Tensor.data_ptr`` unwrapped: during a step the session wraps it to guard reads of
-# activations' bytes (``capture.host_reads``), ~5 µs a call that a host slab never needs
+# activations' bytes (``capture.mode.host_reads``), ~5 µs a call that a host slab never needs
 # (measured: 0.9 ms of each HF Llama warmup step at 50 %, two calls per storage moved)
 _data_ptr = torch._C.TensorBase.data_ptr
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from hyperpar.offload.capture.executor_base import internal
-from hyperpar.offload.capture.op_args import written_tensors
-from hyperpar.offload.capture.replay_state import ON_DEMAND_GROWTH, SLACK_BYTES, ReplayState, logger
+from hyperpar.offload.capture.checked.replay_state import ON_DEMAND_GROWTH, SLACK_BYTES, ReplayState, logger
+from hyperpar.offload.capture.mode.executor_base import internal
+from hyperpar.offload.capture.ops.op_args import written_tensors
 from hyperpar.offload.runtime import StorageEntry
 
 Tensor = torch.Tensor

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from hyperpar.offload.capture.online_path import OpState
-from hyperpar.offload.capture.replay_actions import ReplayActions
-from hyperpar.offload.capture.replay_program import HAS_MOVED, HAS_PRE, HAS_WRITES
-from hyperpar.offload.capture.replay_state import PlanRegion
+from hyperpar.offload.capture.checked.replay_actions import ReplayActions
+from hyperpar.offload.capture.checked.replay_program import HAS_MOVED, HAS_PRE, HAS_WRITES
+from hyperpar.offload.capture.checked.replay_state import PlanRegion
+from hyperpar.offload.capture.mode.online_path import OpState
 from hyperpar.offload.ir import AccessKind
 
 Tensor = torch.Tensor

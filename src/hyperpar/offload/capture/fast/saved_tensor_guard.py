@@ -1,5 +1,5 @@
 """What autograd saves during a step, fingerprinted: recorded on a checked step, compared
-on a fast one (``capture.fast_replay``).
+on a fast one (``capture.fast.fast_replay``).
 
 ``pack`` sees every tensor autograd saves (the hooks are pushed for the whole step) and
 keeps it as it is, with its version: autograd skips its own in-place check on tensors saved
@@ -14,17 +14,17 @@ block is marked as not fully seen."""
 from __future__ import annotations
 
 import contextlib
-import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from hyperpar.offload.capture import dispatch_mode
-from hyperpar.offload.capture.fast_moves import MovingStep
-from hyperpar.offload.capture.fast_schedule import EventLog
-from hyperpar.offload.capture.saved_versions import checked_version
+from hyperpar.offload.capture.fast.fast_moves import MovingStep
+from hyperpar.offload.capture.fast.fast_schedule import EventLog
+from hyperpar.offload.capture.fast.saved_versions import checked_version
+from hyperpar.offload.capture.mode import dispatch_mode
+from hyperpar.offload.capture.mode.guard_stack import guard_lifted, running_guards
 
 Tensor = torch.Tensor
 Fingerprint = tuple[Any, ...]
@@ -73,7 +73,7 @@ class SavedTensorGuard:
     def __enter__(self) -> SavedTensorGuard:
         _install()
         torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
-        _local.guards.append(self)
+        running_guards().append(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -84,7 +84,7 @@ class SavedTensorGuard:
         if self.moving is not None:
             self.moving.on_held = None
         self.unpack = _unpack
-        _local.guards.remove(self)
+        running_guards().remove(self)
         top = torch._C._autograd._top_saved_tensors_default_hooks(True)
         if top is not None and top[0] == self.pack:
             torch._C._autograd._pop_saved_tensors_default_hooks()
@@ -185,31 +185,7 @@ class SavedTensorGuard:
                 and self.count == len(self._expected))
 
 
-class _Guards(threading.local):
-    def __init__(self) -> None:
-        self.guards: list[SavedTensorGuard] = []
-
-
-_local = _Guards()
 _original_disable = torch.autograd.graph.disable_saved_tensors_hooks
-
-
-@contextlib.contextmanager
-def guard_lifted() -> Iterator[None]:
-    """The running step's guard steps aside for a block that must not run under our hooks
-    (torch.func's transforms refuse any; compiled code has its own handling of them): the
-    step is marked as not fully seen, so its structure does not take the fast path."""
-    guard = _local.guards[-1] if _local.guards else None
-    top = torch._C._autograd._top_saved_tensors_default_hooks(True)
-    lift = guard is not None and top is not None and top[0] == guard.pack
-    if lift:
-        guard.lifted = True  # type: ignore[union-attr]
-        torch._C._autograd._pop_saved_tensors_default_hooks()
-    try:
-        yield
-    finally:
-        if lift:
-            torch._C._autograd._push_saved_tensors_default_hooks(guard.pack, guard.unpack)  # type: ignore[union-attr]
 
 
 @contextlib.contextmanager
@@ -232,8 +208,8 @@ def _data(self: Tensor) -> Tensor:
     """``Tensor.data`` while sessions live: an alias that shares the bytes but no version
     counter, so the fast path cannot see writes through it; it is told of it instead."""
     alias = _tensor_data.__get__(self)
-    if _local.guards:
-        _local.guards[-1].unversioned_alias(self)
+    if running_guards():
+        running_guards()[-1].unversioned_alias(self)
     return alias
 
 

@@ -31,10 +31,10 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from hyperpar.offload.capture import dispatch_mode
-from hyperpar.offload.capture.executor_base import ExecutorBase, internal
-from hyperpar.offload.capture.opaque import _hook_region_nodes, device_storages
-from hyperpar.offload.capture.saved_tensor_guard import guard_lifted
+from hyperpar.offload.capture.mode import dispatch_mode
+from hyperpar.offload.capture.mode.executor_base import ExecutorBase, internal
+from hyperpar.offload.capture.mode.guard_stack import guard_lifted
+from hyperpar.offload.capture.mode.opaque import _hook_region_nodes, device_storages
 
 Tensor = torch.Tensor
 _sequence_nr = torch._C._autograd._get_sequence_nr

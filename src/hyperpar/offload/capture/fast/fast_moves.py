@@ -1,5 +1,5 @@
 """The fast path for plans that move bytes: the plan's copies run at saved-tensor events
-(``capture.fast_schedule`` says which, from a checked replay of the plan).
+(``capture.fast.fast_schedule`` says which, from a checked replay of the plan).
 
 A release here is not ``resize_(0)``: a 0-byte storage read by a kernel that no mode
 checks crashes the process, and without the mode nothing stops a step that departs from
@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from hyperpar.offload.capture.fast_schedule import MoveSchedule
-from hyperpar.offload.capture.replay_program import D2H, H2D
-from hyperpar.offload.capture.saved_versions import checked_version, version_keeper
+from hyperpar.offload.capture.checked.replay_program import D2H, H2D
+from hyperpar.offload.capture.fast.fast_schedule import MoveSchedule
+from hyperpar.offload.capture.fast.saved_versions import checked_version, version_keeper
 from hyperpar.offload.runtime.host_pool import aligned
 from hyperpar.offload.runtime.residency_manager import byte_view
 

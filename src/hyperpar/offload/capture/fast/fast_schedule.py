@@ -7,7 +7,7 @@ storage to an event: copies out and releases to the first event at or after the 
 before the unpack the plan's reads follow. A plan takes the fast path only when every storage
 it moves is one autograd saves and nothing else holds past forward, copied out and released in
 forward and paged in during backward; otherwise ``build`` returns a ``Refusal`` naming the
-storages a re-plan must keep on the device. ``capture.fast_moves`` runs the schedule.
+storages a re-plan must keep on the device. ``capture.fast.fast_moves`` runs the schedule.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hyperpar.offload.capture.replay_program import (
+from hyperpar.offload.capture.checked.replay_program import (
     D2H,
     H2D,
     RELEASE,

@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from hyperpar.offload.capture.activation_table import ActivationTable
-from hyperpar.offload.capture.op_args import output_leaves, tensor_inputs, written_tensors
-from hyperpar.offload.capture.op_identity import COLLECTIVE, DTYPE_NAMES, dtype_name, op_kind, op_name
-from hyperpar.offload.capture.output_bytes import predicted_bytes
+from hyperpar.offload.capture.ops.activation_table import ActivationTable
+from hyperpar.offload.capture.ops.op_args import output_leaves, tensor_inputs, written_tensors
+from hyperpar.offload.capture.ops.op_identity import COLLECTIVE, DTYPE_NAMES, dtype_name, op_kind, op_name
+from hyperpar.offload.capture.ops.output_bytes import predicted_bytes
 from hyperpar.offload.ir import AccessKind, OpGuide, StorageAccess, TraceOp
 from hyperpar.offload.ir.guide import NO_STORAGE, NOT_ACTIVATION
 from hyperpar.offload.runtime import OpTimer, ResidencyManager

@@ -9,7 +9,7 @@ import heapq
 from collections.abc import Sequence
 from typing import Any
 
-from hyperpar.offload.capture.replay_program import (
+from hyperpar.offload.capture.checked.replay_program import (
     D2H,
     H2D,
     HAS_POST,
@@ -18,7 +18,7 @@ from hyperpar.offload.capture.replay_program import (
     RELEASE_FINAL,
     ReplayProgram,
 )
-from hyperpar.offload.capture.replay_switch import ReplaySwitch
+from hyperpar.offload.capture.checked.replay_switch import ReplaySwitch
 
 
 class ReplayActions(ReplaySwitch):

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from hyperpar.offload.capture.executor_base import ExecutorBase, internal, untraced
+from hyperpar.offload.capture.mode.executor_base import ExecutorBase, internal, untraced
 
 Tensor = torch.Tensor
 _sequence_nr = torch._C._autograd._get_sequence_nr

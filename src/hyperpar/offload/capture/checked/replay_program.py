@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from torch._ops import OpOverload
 
-from hyperpar.offload.capture.op_args import nested_tensors
-from hyperpar.offload.capture.prefix_hash import prefix_hashes
+from hyperpar.offload.capture.checked.prefix_hash import prefix_hashes
+from hyperpar.offload.capture.ops.op_args import nested_tensors
 from hyperpar.offload.ir import AccessKind, ActivationTrace, ResidencySchedule
 from hyperpar.offload.ir import ResidencyActionType as A
 from hyperpar.offload.ir.packed import PackedTrace

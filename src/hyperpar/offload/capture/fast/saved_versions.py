@@ -7,7 +7,7 @@ tensor only weakly (so its device bytes can be freed); a *version keeper* keeps 
 counter without the bytes: a tensor that shares the saved tensor's version counter (as
 ``.detach()`` does) whose storage was swapped for an empty one. Writes through a ``.data``
 alias share no counter, in plain PyTorch too: those are not errors, and the live bytes
-must be the ones used (``capture.fast_moves``)."""
+must be the ones used (``capture.fast.fast_moves``)."""
 
 from __future__ import annotations
 

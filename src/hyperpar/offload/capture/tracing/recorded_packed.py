@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from hyperpar.offload.capture.activation_table import ActivationTable
+from hyperpar.offload.capture.ops.activation_table import ActivationTable
 from hyperpar.offload.ir.packed import PackedTrace
 from hyperpar.offload.ir.trace_columns import TraceColumns
 from hyperpar.offload.runtime import OpTimer

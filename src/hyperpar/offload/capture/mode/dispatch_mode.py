@@ -42,9 +42,9 @@ from torch.utils._python_dispatch import (
     _get_current_dispatch_mode_stack,
 )
 
-from hyperpar.offload.capture.errors import OffloadCompileError
-from hyperpar.offload.capture.executor_base import ExecutorBase
-from hyperpar.offload.capture.opaque import run_hop
+from hyperpar.offload.capture.mode.executor_base import ExecutorBase
+from hyperpar.offload.capture.mode.opaque import run_hop
+from hyperpar.offload.capture.ops.errors import OffloadCompileError
 
 try:  # torch >= 2.7: HOPs compile their eager path inside this flag
     from torch._higher_order_ops.utils import _in_hop_compile

@@ -13,13 +13,13 @@ from typing import Any
 
 import torch
 
-from hyperpar.offload.capture.errors import OffloadDivergenceError
-from hyperpar.offload.capture.executor_base import internal
-from hyperpar.offload.capture.op_args import tensor_inputs, written_tensors
-from hyperpar.offload.capture.op_identity import COLLECTIVE, op_kind, op_name
-from hyperpar.offload.capture.replay_growth import ReplayGrowth
-from hyperpar.offload.capture.replay_program import ReplayProgram, size_bucket
-from hyperpar.offload.capture.replay_state import hold_target, logger
+from hyperpar.offload.capture.checked.replay_growth import ReplayGrowth
+from hyperpar.offload.capture.checked.replay_program import ReplayProgram, size_bucket
+from hyperpar.offload.capture.checked.replay_state import hold_target, logger
+from hyperpar.offload.capture.mode.executor_base import internal
+from hyperpar.offload.capture.ops.errors import OffloadDivergenceError
+from hyperpar.offload.capture.ops.op_args import tensor_inputs, written_tensors
+from hyperpar.offload.capture.ops.op_identity import COLLECTIVE, op_kind, op_name
 
 Tensor = torch.Tensor
 

@@ -20,11 +20,7 @@ from typing import Any
 
 import torch
 
-from hyperpar.offload.capture.errors import OffloadDivergenceError
-from hyperpar.offload.capture.executor_base import internal
-from hyperpar.offload.capture.op_args import output_leaves, tensor_inputs
-from hyperpar.offload.capture.op_identity import op_name
-from hyperpar.offload.capture.replay_program import (
+from hyperpar.offload.capture.checked.replay_program import (
     AFTER_DEATH,
     BINDS,
     HAS_MOVED,
@@ -35,9 +31,13 @@ from hyperpar.offload.capture.replay_program import (
     SCHEDULED,
     ReplayProgram,
 )
-from hyperpar.offload.capture.replay_regions import ReplayRegions
-from hyperpar.offload.capture.replay_state import SLACK_BYTES, logger
-from hyperpar.offload.capture.warmup import recorded_trace
+from hyperpar.offload.capture.checked.replay_regions import ReplayRegions
+from hyperpar.offload.capture.checked.replay_state import SLACK_BYTES, logger
+from hyperpar.offload.capture.mode.executor_base import internal
+from hyperpar.offload.capture.ops.errors import OffloadDivergenceError
+from hyperpar.offload.capture.ops.op_args import output_leaves, tensor_inputs
+from hyperpar.offload.capture.ops.op_identity import op_name
+from hyperpar.offload.capture.tracing.warmup import recorded_trace
 from hyperpar.offload.ir import ActivationTrace
 from hyperpar.offload.ir.guide import NOT_ACTIVATION
 from hyperpar.offload.ir.report import StepReport

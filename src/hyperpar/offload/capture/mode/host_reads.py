@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from hyperpar.offload.capture import dispatch_mode
-from hyperpar.offload.capture.executor_base import ExecutorBase
+from hyperpar.offload.capture.mode import dispatch_mode
+from hyperpar.offload.capture.mode.executor_base import ExecutorBase
 
 _METHODS = ("tolist", "numpy", "__array__", "__dlpack__", "data_ptr", "item", "__reduce_ex__",
             "__deepcopy__", "__repr__", "__str__", "__format__")
@@ -131,7 +131,7 @@ def _guarded_function(fn: Any) -> Any:
 def _this_threads_executor() -> ExecutorBase | None:
     """The step whose dispatch mode this thread runs under (autograd threads inherit it), or
     the step started in this thread."""
-    from hyperpar.offload.capture.dispatch_mode import OffloadDispatchMode
+    from hyperpar.offload.capture.mode.dispatch_mode import OffloadDispatchMode
 
     for mode in _get_current_dispatch_mode_stack():
         if isinstance(mode, OffloadDispatchMode):

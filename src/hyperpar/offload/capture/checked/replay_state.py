@@ -15,14 +15,14 @@ from typing import Any
 
 import torch
 
-from hyperpar.offload.capture.executor_base import ExecutorBase
-from hyperpar.offload.capture.replay_program import ReplayProgram
+from hyperpar.offload.capture.checked.replay_program import ReplayProgram
+from hyperpar.offload.capture.mode.executor_base import ExecutorBase
 from hyperpar.offload.ir import AccessKind
 from hyperpar.offload.ir.guide import NO_STORAGE, NOT_ACTIVATION
 from hyperpar.offload.runtime import ResidencyManager
 
 # One logger for every replay path, under the name users and tests filter on.
-logger = logging.getLogger("hyperpar.offload.capture.replay")
+logger = logging.getLogger("hyperpar.offload.capture.checked.replay")
 Tensor = torch.Tensor
 # Replay starts evicting on its own (see ``_relieve``) when it holds more than the budget,
 # or than the plan's own peak when the budget cannot be met, by more than this slack:

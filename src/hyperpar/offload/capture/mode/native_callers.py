@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from hyperpar.offload.capture import dispatch_mode
-from hyperpar.offload.capture.executor_base import internal
+from hyperpar.offload.capture.mode import dispatch_mode
+from hyperpar.offload.capture.mode.executor_base import internal
 
 _originals: dict[tuple[Any, str], Any] = {}
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from hyperpar.offload.capture.executor_base import ExecutorBase
+from hyperpar.offload.capture.mode.executor_base import ExecutorBase
 from hyperpar.offload.ir.report import StepReport
 
 Tensor = torch.Tensor

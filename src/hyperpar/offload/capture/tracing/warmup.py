@@ -22,12 +22,12 @@ from typing import Any
 import torch
 from torch._ops import OpOverload
 
-from hyperpar.offload.capture.executor_base import ExecutorBase
-from hyperpar.offload.capture.online_path import OpState
-from hyperpar.offload.capture.op_args import mutates, nested_tensors, output_leaves
-from hyperpar.offload.capture.op_identity import DTYPE_NAMES, PLAIN, dtype_name, op_kind, op_name
-from hyperpar.offload.capture.output_bytes import PREDICTORS, predict_or_none
-from hyperpar.offload.capture.recorded_packed import packed_recording, timed_durations
+from hyperpar.offload.capture.mode.executor_base import ExecutorBase
+from hyperpar.offload.capture.mode.online_path import OpState
+from hyperpar.offload.capture.ops.op_args import mutates, nested_tensors, output_leaves
+from hyperpar.offload.capture.ops.op_identity import DTYPE_NAMES, PLAIN, dtype_name, op_kind, op_name
+from hyperpar.offload.capture.ops.output_bytes import PREDICTORS, predict_or_none
+from hyperpar.offload.capture.tracing.recorded_packed import packed_recording, timed_durations
 from hyperpar.offload.ir import AccessKind, ActivationTrace
 from hyperpar.offload.ir.guide import NOT_ACTIVATION
 from hyperpar.offload.ir.packed import PackedTrace

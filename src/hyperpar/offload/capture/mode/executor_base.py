@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from hyperpar.offload.capture.online_path import OnlinePath, OpState
-from hyperpar.offload.capture.op_args import tensor_inputs, written_tensors
-from hyperpar.offload.capture.op_identity import COLLECTIVE, op_kind
+from hyperpar.offload.capture.mode.online_path import OnlinePath, OpState
+from hyperpar.offload.capture.ops.op_args import tensor_inputs, written_tensors
+from hyperpar.offload.capture.ops.op_identity import COLLECTIVE, op_kind
 from hyperpar.offload.ir import AccessKind
 from hyperpar.offload.ir.report import StepReport
 from hyperpar.offload.runtime import ResidencyManager, StepTimeline
