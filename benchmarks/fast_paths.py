@@ -47,11 +47,22 @@ def _t5() -> host_cost.Workload:
     return host_cost.Workload("hf-t5", run)
 
 
-def paths(w: host_cost.Workload, fraction: float, steps: int) -> dict[str, Any]:
+FAST_FLOOR = "fast_floor_105%"  # the cell 5 % above the fast-path floor
+
+
+def paths(w: host_cost.Workload, fraction: float | None, steps: int) -> dict[str, Any]:
+    """Paths at ``fraction`` of the peak (None: 5 % above the fast-path floor, which a
+    session at half the peak reports from its checked replay)."""
     probe = host_cost._session(1e12)
     w.run(host_cost._fixed(probe))
     assert probe.last_report is not None
     peak, floor = probe.last_report.peak_resident_bytes, probe.last_report.min_feasible_budget_bytes
+    if fraction is None:
+        half = host_cost._session(peak * 0.5)
+        for _ in range(2):
+            w.run(host_cost._fixed(half))
+        assert half.last_report is not None and half.last_report.fast_path_floor_bytes is not None
+        fraction = half.last_report.fast_path_floor_bytes * 1.05 / peak
     session = host_cost._session(peak * fraction)
     letters = []
     for _ in range(steps):
@@ -60,8 +71,10 @@ def paths(w: host_cost.Workload, fraction: float, steps: int) -> dict[str, Any]:
         letters.append(LETTER[session.last_report.replay_path])
     plans = [p for s in session._structures.values() for p in s.sizes.values()]
     first_fast = "".join(letters).find("F")
+    fast_floor = session.last_report.fast_path_floor_bytes
     return {"paths": "".join(letters), "first_fast_step": first_fast if first_fast >= 0 else None,
-            "floor_fraction": None if floor is None else floor / peak,
+            "budget_fraction": fraction, "floor_fraction": None if floor is None else floor / peak,
+            "fast_floor_fraction": None if fast_floor is None else fast_floor / peak,
             "refinements": [p.refinements for p in plans],
             "stays_checked_because": sorted({p.fast_refusal for p in plans
                                              if p.fast_refusal and not p.packs})}
@@ -79,16 +92,19 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("hyperpar").setLevel(logging.ERROR)
     started = provenance(["benchmarks/fast_paths.py", *(sys.argv[1:] if argv is None else argv)])
     results: dict[str, dict[str, Any]] = {}
-    cells = [(f, x) for f in args.families for x in args.fractions]
+    fractions: list[float | None] = [*args.fractions, None]
+    cells = [(f, x) for f in args.families for x in fractions]
     for family, fraction in tqdm(cells, desc="family x budget"):
         w = _t5() if family == "hf-t5" else host_cost.build(family, False, args.tiny_layers)
-        results.setdefault(family, {})[f"{round(fraction * 100)}%"] = paths(w, fraction, args.steps)
-    print("| family | " + " | ".join(f"{round(x * 100)} %" for x in args.fractions) + " | floor |")
-    print("|---|" + "---|" * (len(args.fractions) + 1))
+        key = FAST_FLOOR if fraction is None else f"{round(fraction * 100)}%"
+        results.setdefault(family, {})[key] = paths(w, fraction, args.steps)
+    print("| family | " + " | ".join(f"{round(x * 100)} %" for x in args.fractions)
+          + " | 1.05x fast-path floor | floor | fast-path floor |")
+    print("|---|" + "---|" * (len(args.fractions) + 3))
     for family, row in results.items():
-        floor = next(iter(row.values()))["floor_fraction"]
+        floor, fast = row[FAST_FLOOR]["floor_fraction"], row[FAST_FLOOR]["fast_floor_fraction"]
         print(f"| {family} | " + " | ".join(c["paths"] for c in row.values())
-              + f" | {'-' if floor is None else f'{floor:.0%}'} |")
+              + f" | {'-' if floor is None else f'{floor:.1%}'} | {'-' if fast is None else f'{fast:.1%}'} |")
     headlines.write("fast_paths", args.out, {"steps_per_session": args.steps, "families": results}, started)
     print(f"wrote {args.out}")
     return 0

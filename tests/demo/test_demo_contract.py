@@ -38,6 +38,9 @@ def test_tiny_run_writes_equal_losses_and_png(tmp_path: Path, capsys: pytest.Cap
     assert (tmp_path / "resident_bytes.png").stat().st_size > 1000
     out = capsys.readouterr().out
     assert "bitwise equal" in out and "feasible floor" in out and f"{floor / (1 << 20):.2f} MiB" in out
+    fast_floor = runs["offload"]["fast_path_floor_bytes"]  # known from the checked replay (step 2)
+    assert fast_floor == runs["offload"]["reports"][-1]["fast_path_floor_bytes"] >= floor
+    assert "fast-path floor" in out and f"{fast_floor / (1 << 20):.2f}" in out
 
 
 def _spoil(monkeypatch: pytest.MonkeyPatch, run: str, what: str) -> None:

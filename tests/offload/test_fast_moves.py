@@ -242,18 +242,18 @@ def _ids(vocab: int, length: int) -> torch.Tensor:
     return torch.randint(0, vocab, (2, length), generator=torch.Generator().manual_seed(1))
 
 
-def _hf_steps(build: Callable[[], torch.nn.Module], ids: torch.Tensor, steps: int, **config: Any
-              ) -> tuple[OffloadSession, list[str | None]]:
-    """Steps of an HF model plainly and in a session at half its activation peak, each bitwise
-    compared and within the budget (the same dropout masks in both: seeded per step); the
-    session and the path each step took."""
+def _hf_steps(build: Callable[[], torch.nn.Module], ids: torch.Tensor, steps: int, fraction: float = 0.5,
+              **config: Any) -> tuple[OffloadSession, list[str | None]]:
+    """Steps of an HF model plainly and in a session at ``fraction`` of its activation peak,
+    each bitwise compared and within the budget (the same dropout masks in both: seeded per
+    step); the session and the path each step took."""
     torch.set_num_threads(1)
     plain, off = build(), build()
     probe = OffloadSession(OffloadConfig(max_resident_activation_mb=1e6))
     with probe:
         build()(input_ids=ids, labels=ids).loss.backward()
     assert probe.last_report is not None
-    budget = probe.last_report.peak_resident_bytes * 0.5
+    budget = probe.last_report.peak_resident_bytes * fraction
     session = OffloadSession(OffloadConfig(max_resident_activation_mb=budget / MIB, **config))
     paths = []
     for step in range(steps):
@@ -270,6 +270,26 @@ def _hf_steps(build: Callable[[], torch.nn.Module], ids: torch.Tensor, steps: in
         plain.zero_grad(set_to_none=True)
         off.zero_grad(set_to_none=True)
     return session, paths
+
+
+def test_hf_llama_just_above_its_fast_path_floor_runs_fast_from_the_second_replay() -> None:
+    """Just above the fast-path floor (the general floor is 0.92x of it): one re-plan keeps
+    every storage the fast path cannot move and respects the spans Python holds the others
+    in forward (without those spans it fell back and stayed checked: W C B C C C). The floor
+    is the session's own: its warmup saw storages die later where copies out still held them
+    (a copy engine that finishes late: up to 6 % higher here than at half the peak)."""
+    probe, _ = _hf_steps(_hf_llama, _ids(128, 32), 2)
+    report = probe.last_report
+    assert report is not None and report.fast_path_floor_bytes is not None
+    assert report.min_feasible_budget_bytes is not None
+    assert report.fast_path_floor_bytes < report.min_feasible_budget_bytes * 1.5  # issue 40's goal
+    session, paths = _hf_steps(_hf_llama, _ids(128, 32), 5, planner="greedy",
+                               fraction=report.fast_path_floor_bytes * 1.1 / (report.budget_bytes / 0.5))
+    own = session.last_report
+    assert own is not None and own.fast_path_floor_bytes is not None
+    assert own.fast_path_floor_bytes * 1.03 <= own.budget_bytes <= own.fast_path_floor_bytes * 1.1
+    assert paths == [None, "checked", "fast", "fast", "fast"], paths
+    assert all(p.refinements <= 1 for st in session._structures.values() for p in st.sizes.values())
 
 
 def test_hf_llama_at_half_its_peak_takes_the_fast_path() -> None:

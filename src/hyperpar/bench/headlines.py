@@ -325,7 +325,9 @@ def fast_paths(doc: dict[str, Any]) -> list[Figure]:
     for family, row in doc["families"].items():
         for budget, cell in row.items():
             first = -1 if cell["first_fast_step"] is None else cell["first_fast_step"]
-            what = (f"{family} at {budget} of its peak: the first step on the fast path (0 is the warmup; "
+            at = ("5 % above its fast-path floor" if budget.startswith("fast_floor")
+                  else f"{budget} of its peak")
+            what = (f"{family} at {at}: the first step on the fast path (0 is the warmup; "
                     f"-1: none in {doc['steps_per_session']}), paths {cell['paths']}")
             figs.append(figure(f"{family}_{budget.rstrip('%')}_first_fast_step", first, "step", what,
                                "docs/architecture.md"))

@@ -152,6 +152,7 @@ def _fill_offload_figures(result: RunResult, session: OffloadSession) -> None:
     result.exposed_wait_ms = report.exposed_wait_ms
     result.predicted_step_ms = report.predicted_step_ms
     result.min_feasible_budget_bytes = report.min_feasible_budget_bytes
+    result.fast_path_floor_bytes = report.fast_path_floor_bytes
     if result.predicted_step_ms is None and session.trace is not None and session.schedule is not None:
         result.predicted_step_ms = simulate(session.trace, session.schedule).predicted_step_ms
         result.notes.append("predicted step time: simulate(trace, schedule) (the report had none)")

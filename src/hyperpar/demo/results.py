@@ -26,6 +26,7 @@ class RunResult:
     predicted_step_ms: float | None = None
     exposed_wait_ms: float | None = None
     min_feasible_budget_bytes: int | None = None  # the least budget any schedule can meet
+    fast_path_floor_bytes: int | None = None  # the least budget the fast path can run at
     reports: list[dict[str, Any]] = field(default_factory=list)  # StepReport.as_dict() per step
     notes: list[str] = field(default_factory=list)
 

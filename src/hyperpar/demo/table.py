@@ -51,9 +51,11 @@ def loss_table(result: DemoResult) -> str:
 
 
 def memory_table(runs: Sequence[RunResult]) -> str:
-    header = ["run", "peak activations", "budget", "feasible floor", "moved/step", "faults"]
+    header = ["run", "peak activations", "budget", "feasible floor", "fast-path floor", "moved/step",
+              "faults"]
     rows = [
         [r.name, _mib(r.peak_activation_bytes), _mib(r.budget_bytes), _mib(r.min_feasible_budget_bytes),
+         _mib(r.fast_path_floor_bytes),
          _mib(r.bytes_moved_per_step), "-" if r.demand_faults is None else str(r.demand_faults)]
         for r in runs if r.name != REPEAT
     ]

@@ -19,7 +19,11 @@ from hyperpar.offload.capture.fast.fast_moves import MovingStep
 from hyperpar.offload.capture.fast.fast_replay import FallbackExecutor
 from hyperpar.offload.capture.fast.fast_schedule import EventLog, MoveSchedule, Refusal
 from hyperpar.offload.capture.fast.saved_tensor_guard import SavedTensorGuard, covers, covers_all
+from hyperpar.offload.ir import ActivationTrace
+from hyperpar.offload.ir.packed import PackedTrace
 from hyperpar.offload.ir.report import StepReport
+from hyperpar.offload.planning.arrays import TraceArrays, arrays_given, packed_trace_arrays, with_reads
+from hyperpar.offload.planning.floor import budget_floor
 
 logger = logging.getLogger("hyperpar.offload.api.session")
 
@@ -44,6 +48,7 @@ class FastSteps:
     config: Any
     phase: str
     last_report: StepReport | None
+    _said_below_fast_floor: bool
 
     def _fast_ok(self, plan: Plan) -> bool:
         """Whether the step may take the fast path: a plan within the budget whose moves (if
@@ -146,7 +151,7 @@ class FastSteps:
         else:  # it ended early or departed in backward: peak unmeasured
             report.departed_at_saved = (fast.guard.count if fast.guard.departed_at is None
                                         else fast.guard.departed_at)
-        plan.floor.annotate(report)
+        plan.annotate(report)
         self._structures.move_to_end(plan.signature)
         structure.last = plan
         self._learn(plan.signature)
@@ -218,6 +223,8 @@ class FastSteps:
             return
         if structure.to_learn:
             structure.to_learn = 0 if plan.packs is None else structure.to_learn - 1
+        if plan.fast_floor is None and recorder.log is not None:
+            self._fast_floor(plan, recorder.log)
         packs = tuple(recorder.fingerprints)
         if plan.packs is not None and covers_all(plan.packs, packs):
             return  # what the plan learned covers this step's (and its schedule stands)
@@ -231,6 +238,33 @@ class FastSteps:
         structure.size_misses = 0  # lengths up to this step's go fast now: not a miss streak
         plan.packs = packs
 
+    def _fast_floor(self, plan: Plan, events: EventLog) -> None:
+        """The plan's floor with every storage the fast path cannot move pinned, and a word
+        (once a session) where the budget lies between the two floors."""
+        packed = plan.packed
+        pinned = packed.pinned_sids | events.unmovable(frozenset(packed.storage_sizes()))
+        trace, _, arrays = self._fast_trace(plan, pinned, events)
+        with arrays_given(trace, arrays):
+            plan.fast_floor = budget_floor(trace)
+        general = plan.floor
+        if (general.floor_bytes <= self._budget_bytes < plan.fast_floor.floor_bytes
+                and not self._said_below_fast_floor):
+            logger.warning("%s", plan.fast_floor.below_fast_floor_message(self._budget_bytes, general))
+            self._said_below_fast_floor = True
+
+    @staticmethod
+    def _fast_trace(plan: Plan, pinned: frozenset[int], events: EventLog | None
+                    ) -> tuple[ActivationTrace, PackedTrace, TraceArrays]:
+        """``plan``'s trace with ``pinned`` kept on the device, packed, and its arrays with
+        the spans Python held saved storages in forward as reads (``EventLog.held_reads``):
+        what a plan the fast path can run is planned on."""
+        trace = replace(plan.trace, pinned_sids=pinned)
+        packed = PackedTrace(trace, plan.packed)
+        arrays = packed_trace_arrays(trace, packed)
+        if events is not None:
+            arrays = with_reads(arrays, *events.held_reads(frozenset(trace.storage_sizes) - pinned))
+        return trace, packed, arrays
+
     def _scheduled(self, plan: Plan, events: EventLog) -> Plan | None:
         """``plan``'s moves placed on a checked replay's saved-tensor events, or, where it moves
         storages the fast path cannot, the plan made again with them kept (the events are the
@@ -238,7 +272,10 @@ class FastSteps:
         schedule = MoveSchedule.build(events, plan.program, self._budget_bytes)
         while isinstance(schedule, Refusal):
             plan.fast_refusal = schedule.why
-            refined = self._refine(plan, schedule.sids, final=not schedule.advisory)
+            keep = schedule.sids
+            if not schedule.advisory:  # all the fast path can never move at once: one re-plan, not many
+                keep = keep | events.unmovable(frozenset(plan.packed.storage_sizes()))
+            refined = self._refine(plan, keep, final=not schedule.advisory, events=events)
             if refined is None and schedule.advisory:
                 # keeping what Python held does not fit: run fast anyway, as before this look
                 # ahead; a step that holds them that way falls back to the dispatch mode
@@ -252,7 +289,8 @@ class FastSteps:
         plan.move_schedule, plan.events = schedule, events
         return plan
 
-    def _refine(self, plan: Plan, keep: frozenset[int], final: bool = True) -> Plan | None:
+    def _refine(self, plan: Plan, keep: frozenset[int], final: bool = True,
+                events: EventLog | None = None) -> Plan | None:
         """Plan the same trace again with ``keep`` on the device, for a plan the fast path can
         run; the new plan (returned) replaces ``plan`` when it keeps the budget. A ``final``
         attempt that does not fit ends the re-plans of ``plan``."""
@@ -260,9 +298,8 @@ class FastSteps:
         if (structure is None or plan.refinements >= MAX_REFINEMENTS
                 or plan.program.planned_peak > self._budget_bytes):
             return None
-        trace = plan.trace
-        trace = replace(trace, pinned_sids=trace.pinned_sids | keep)
-        new = self._plan(plan.signature, trace, structure.keys, plan.program, quiet=True)
+        trace, packed, arrays = self._fast_trace(plan, plan.packed.pinned_sids | keep, events or plan.events)
+        new = self._plan(plan.signature, trace, structure.keys, plan.program, packed, arrays, quiet=True)
         if new.program.planned_peak > self._budget_bytes or new.floor.floor_bytes > self._budget_bytes:
             logger.debug("keeping %d storage(s) on the device for the fast path would exceed the budget "
                          "(%s)", len(keep), plan.fast_refusal)
@@ -272,6 +309,7 @@ class FastSteps:
         new.refinements = plan.refinements + 1
         new.kept_for_fast = plan.kept_for_fast | keep
         new.floor = plan.floor  # the user's floor: the pins are the fast path's, not the step's
+        new.fast_floor = plan.fast_floor
         for bucket, p in list(structure.sizes.items()):
             if p is plan:
                 structure.sizes[bucket] = new
@@ -288,11 +326,15 @@ class FastSteps:
             return None
         structure = self._structures.get(running.signature)
         # a plan that learned its saved tensors may learn a longer step's (``_learn_packs``)
-        if structure is None or not any(  # the step may end on any size's plan (replay switches)
-                p.moves and p.program.planned_peak <= self._budget_bytes
-                and (p.fast_refusal is None or p.refinements < MAX_REFINEMENTS)
-                for p in structure.sizes.values()):
-            return None  # nothing to learn: they never run fast
+        if structure is None:
+            return None
+        # the step may end on any size's plan (replay switches)
+        moving = any(p.moves and p.program.planned_peak <= self._budget_bytes
+                     and (p.fast_refusal is None or p.refinements < MAX_REFINEMENTS)
+                     for p in structure.sizes.values())
+        if not moving and all(p.fast_floor is not None for p in structure.sizes.values()):
+            return None  # nothing to learn: they never run fast, or move nothing and know their floors
+        # (the spans Python holds saved storages count in the fast-path floor: watched either way)
         table = executor.table
         sid_of, nbytes = table.sid_of, table.nbytes
         engine = self._manager.engine

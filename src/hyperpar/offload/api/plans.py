@@ -15,6 +15,7 @@ from hyperpar.offload.capture.fast.saved_tensor_guard import Fingerprint, SavedT
 from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
 from hyperpar.offload.ir.packed import PackedTrace
 from hyperpar.offload.ir.packed_schedule import PackedSchedule
+from hyperpar.offload.ir.report import StepReport
 from hyperpar.offload.planning.floor import BudgetFloor
 
 
@@ -45,6 +46,15 @@ class Plan:
     events: EventLog | None = None  # the saved-tensor events its schedule was placed on (frozen)
     refinements: int = 0  # re-plans that kept storages on the device for the fast path
     kept_for_fast: frozenset[int] = frozenset()  # the storages those re-plans kept
+    # the floor with every storage the fast path cannot move pinned (from the first checked
+    # replay's saved-tensor events): budgets at or above it can run fast
+    fast_floor: BudgetFloor | None = None
+
+    def annotate(self, report: StepReport) -> None:
+        """The report's floors: the general one and, once known, the fast path's."""
+        self.floor.annotate(report)
+        if self.fast_floor is not None:
+            report.fast_path_floor_bytes = self.fast_floor.floor_bytes
 
     @property
     def moves(self) -> bool:

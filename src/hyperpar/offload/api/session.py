@@ -114,6 +114,7 @@ class OffloadSession(FastSteps):
         self._t0 = 0.0
         self._budget_bytes = config.budget_bytes  # max_resident_fraction: resolved at the first trace
         self._said_below_floor = False
+        self._said_below_fast_floor = False
         self._hooks_held = False
         self._bind_device(config.resolved_device())
 
@@ -270,6 +271,9 @@ class OffloadSession(FastSteps):
                 self._after_clean_step(executor, report)
                 if packs is not None:
                     self._learn_packs(executor, packs)
+                    current = self._current  # its fast-path floor may be known from this step on
+                    if current is not None and current.fast_floor is not None:
+                        report.fast_path_floor_bytes = current.fast_floor.floor_bytes
             elif isinstance(exc, OffloadDivergenceError) and isinstance(executor, ReplayExecutor):
                 self._forget_successor()  # on_divergence="raise": trace this step's kind next time
         except BaseException as cleanup_error:
@@ -365,7 +369,7 @@ class OffloadSession(FastSteps):
             assert isinstance(executor, ReplayExecutor)
             self._measured_floor(executor, plan).annotate(report)
         else:
-            plan.floor.annotate(report)
+            plan.annotate(report)
         self.phase = "warmup" if self._choose() is None else "replay"
         self.last_report = report
 

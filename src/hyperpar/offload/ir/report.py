@@ -32,6 +32,9 @@ class StepReport:
     min_feasible_budget_bytes: int | None = None
     unmovable_retained_bytes: int | None = None  # kept after the step: parameter .grad, loss, outputs
     unmovable_working_set_bytes: int | None = None  # what that op itself reads and writes
+    # The least budget a plan the fast path can run meets: one that moves only storages
+    # autograd saves and Python lets go of (known from the first checked replay on; None before)
+    fast_path_floor_bytes: int | None = None
     # Replay: "checked" (every op through the dispatch mode), "fast" (no dispatch mode: saved
     # tensors fingerprinted and the plan's copies run at autograd's pack and unpack; the peak
     # is the plan's, as every saved tensor matched it, plus bytes Python held past their
@@ -66,6 +69,8 @@ class StepReport:
             text += (f", floor {self.min_feasible_budget_bytes / mib:.1f} MiB "
                      f"({(self.unmovable_retained_bytes or 0) / mib:.1f} retained + "
                      f"{(self.unmovable_working_set_bytes or 0) / mib:.1f} working set)")
+        if self.fast_path_floor_bytes is not None:
+            text += f", fast-path floor {self.fast_path_floor_bytes / mib:.1f} MiB"
         return text
 
     @classmethod

@@ -118,6 +118,45 @@ def _arrays(trace: ActivationTrace, counts: np.ndarray, access_sid: np.ndarray, 
     )
 
 
+def with_reads(arr: TraceArrays, op: np.ndarray, sid: np.ndarray) -> TraceArrays:
+    """``arr`` with reads no op makes: storage ``sid[i]`` must be on the device at op ``op[i]``
+    (the fast path cannot free bytes Python holds, so a plan for it treats a held span as
+    read). Reads outside a storage's life, of storages the trace never accesses, or where
+    the op accesses the storage already are dropped (one access per storage and op)."""
+    dense = np.searchsorted(arr.sids, sid)
+    ok = dense < len(arr.sids)
+    ok[ok] = arr.sids[dense[ok]] == sid[ok]
+    ok[ok] = (op[ok] >= arr.first_op[dense[ok]]) & (op[ok] <= arr.end_op[dense[ok]])
+    if not ok.any():
+        return arr
+    # one access per storage and op (as a trace has): none where the op touches it already
+    n = len(arr.sids)
+    key = np.unique(op[ok] * n + dense[ok])
+    key = key[~np.isin(key, arr.access_op * n + np.searchsorted(arr.sids, arr.access_sid))]
+    if not len(key):
+        return arr
+    op, dense = key // n, key % n
+    sid = arr.sids[dense]
+    access_op = np.concatenate([arr.access_op, op])
+    order = np.argsort(access_op, kind="stable")  # the given reads after the op's own accesses
+    last_op = arr.last_op.copy()
+    np.maximum.at(last_op, dense, op)
+    return TraceArrays(
+        num_ops=arr.num_ops,
+        access_op=access_op[order],
+        access_sid=np.concatenate([arr.access_sid, sid])[order],
+        access_write=np.concatenate([arr.access_write, np.zeros(len(op), dtype=bool)])[order],
+        access_size=np.concatenate([arr.access_size, arr.size[dense]])[order],
+        duration_ms=arr.duration_ms,
+        sids=arr.sids,
+        first_op=arr.first_op,
+        last_op=last_op,
+        end_op=np.maximum(arr.end_op, last_op),
+        size=arr.size,
+        pinned_sids=arr.pinned_sids,
+    )
+
+
 def resident_without_offload(arr: TraceArrays) -> np.ndarray:
     """Bytes alive at each op (int64), as ``ActivationTrace.resident_bytes_without_offload``."""
     delta = np.zeros(arr.num_ops + 1, dtype=np.int64)

@@ -49,6 +49,14 @@ class BudgetFloor:
                 f"outputs still referenced) + {self.working_set_bytes / MIB:.2f} MiB the op's own inputs "
                 f"and outputs; peak without offload {self.peak_bytes / MIB:.2f} MiB")
 
+    def below_fast_floor_message(self, budget_bytes: int, general: BudgetFloor) -> str:
+        """For the floor of the fast path (``self``), at or above the general one."""
+        return (f"the budget of {budget_bytes / MIB:.2f} MiB is below the fast path's floor of "
+                f"{self.floor_bytes / MIB:.2f} MiB (the least budget a plan moving only storages autograd "
+                f"saves can meet; any plan: {general.floor_bytes / MIB:.2f} MiB): steps keep the budget on "
+                f"the checked replay, at several times the host cost of plain PyTorch per op; "
+                f"{self.floor_bytes / MIB:.2f} MiB or more keeps them on the fast path")
+
     def below_floor_message(self, budget_bytes: int) -> str:
         return (f"the budget of {budget_bytes / MIB:.2f} MiB is below the feasible floor of "
                 f"{self.floor_bytes / MIB:.2f} MiB: no schedule can keep fewer activation bytes on the "

@@ -91,6 +91,31 @@ class EventLog:
                        slot_sid=dict(self.slot_sid), slot_bytes=dict(self.slot_bytes),
                        held_at=dict(self.held_at), watch=False, _backward=True, _storages={}, _tensors={})
 
+    def unmovable(self, sids: frozenset[int]) -> frozenset[int]:
+        """Of ``sids``, the storages the fast path can never move: those no saved tensor held
+        (it sees no event of theirs), and those Python held past forward (it cannot free them).
+        A plan with these pinned is the fast path's best; its floor is the fast-path floor."""
+        saved = {sid for sid in self.slot_sid.values() if sid >= 0}
+        return frozenset(sids - saved) | (frozenset(self.slot_sid[slot] for slot in self.held) & sids)
+
+    def held_reads(self, movable: frozenset[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Per op and storage (of ``movable``): where Python held it in forward, as reads a
+        plan must respect (ops, sids): the fast path cannot free it there, so a plan that
+        releases it only after the span runs fast where one releasing it inside falls back."""
+        ops: list[np.ndarray] = []
+        sids: list[int] = []
+        clock = self.clock
+        for slot, (first, last) in self.held_at.items():
+            sid = self.slot_sid[slot]
+            if sid not in movable:
+                continue
+            span = np.arange(max(clock[first] - 1, 0), max(clock[last], clock[first]), dtype=np.int64)
+            ops.append(span)
+            sids.extend([sid] * len(span))
+        if not ops:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        return np.concatenate(ops), np.asarray(sids, dtype=np.int64)
+
     def _watch_held(self) -> None:
         """At a forward event: which saved storages Python holds beyond the saved tensors (the
         copies still reading them finish first: they hold them too)."""
