@@ -56,6 +56,11 @@ class Skip:
     reason: str
 
 
+def _recompute(out: str) -> None:
+    assert "module(s) ['Block']" in out and "bitwise equal" in out, out
+    assert "step 4: fast" in out, out
+
+
 def _fast_paths(out: str) -> None:
     assert "| tiny-ops | WCF |" in out, out  # warmup, one checked replay, fast
 
@@ -153,6 +158,9 @@ KNOWN: dict[str, Run | Skip] = {
         ("--out", "{tmp}/plan"), _plan, before=(".venv/bin/hyperpar", "demo", *TINY_DEMO),
         rewrite={"hyperpar-demo/trace.json": "{tmp}/hyperpar-demo/trace.json"}),
     ".venv/bin/python examples/offload_quickstart.py": Run((), _quickstart),
+    ".venv/bin/python examples/offload_recompute.py": Run(("--rows", "256", "--steps", "5"), _recompute),
+    ".venv/bin/python examples/offload_recompute.py --recompute layers --rows 256": Run(("--steps", "5"),
+                                                                                       _recompute),
     ".venv/bin/python examples/offload_hf_llama.py": Run(("--size", "tiny", "--steps", "2"), _hf_llama, "hf"),
     ".venv/bin/python examples/offload_hf_llama.py --size tiny": Run(("--steps", "2"), _hf_llama, "hf"),
     ".venv/bin/torchrun --nproc-per-node 2 examples/moe_torchrun.py": Run(

@@ -11,6 +11,7 @@ import torch
 from hyperpar.offload.runtime.engine_factory import chaos_seed
 
 PLANNER_CHOICES = ("greedy", "timed")
+RECOMPUTE_CHOICES = ("auto", "off", "layers")
 DIVERGENCE_CHOICES = ("retrace", "raise")
 COPY_ENGINE_CHOICES = ("auto", "sync", "thread", "stream")
 MIB = 1 << 20
@@ -55,6 +56,14 @@ class OffloadConfig:
     # A step whose plan moves nothing runs without the dispatch mode once a checked replay of
     # it ran clean (saved tensors fingerprinted instead; see capture/fast/fast_replay.py)
     fast_replay: bool = True
+    # Rebuild module calls in backward instead of keeping what they save (torch's checkpoint):
+    # "auto" where it costs less than the copies an offload-only plan cannot hide, "layers"
+    # every repeated block (full checkpointing per layer), "off" never
+    recompute: str = "auto"
+    # Plan for another device than the one the session runs on: "h100", "h200", "a100" (the
+    # models of ``hyperpar.offload.projection``); None plans on the times measured here. So
+    # far the recompute choice uses it; the offload plan still uses the measured times.
+    plan_for: str | None = None
 
     def __post_init__(self) -> None:
         _check_mb("max_resident_activation_mb", self.max_resident_activation_mb)
@@ -100,6 +109,15 @@ class OffloadConfig:
             raise TypeError(f"OffloadConfig.timeline must be a bool, got {self.timeline!r}")
         if not isinstance(self.fast_replay, bool):
             raise TypeError(f"OffloadConfig.fast_replay must be a bool, got {self.fast_replay!r}")
+        if self.recompute not in RECOMPUTE_CHOICES:
+            raise ValueError(f"OffloadConfig.recompute must be one of {RECOMPUTE_CHOICES}, "
+                             f"got {self.recompute!r}")
+        if self.plan_for is not None:
+            from hyperpar.offload.projection import DEVICES  # a table of device models, nothing more
+
+            if not isinstance(self.plan_for, str) or self.plan_for.lower() not in DEVICES:
+                raise ValueError(f"OffloadConfig.plan_for must be None or one of {sorted(DEVICES)}, "
+                                 f"got {self.plan_for!r}")
         fraction = self.max_resident_fraction
         if fraction is not None:
             if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):

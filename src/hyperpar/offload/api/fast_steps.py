@@ -48,13 +48,15 @@ class FastSteps:
     config: Any
     phase: str
     last_report: StepReport | None
+    _recompute_report: Any
+    _want_spans: bool  # the next step records module calls: a checked replay
     _said_below_fast_floor: bool
 
     def _fast_ok(self, plan: Plan) -> bool:
         """Whether the step may take the fast path: a plan within the budget whose moves (if
         any) run at saved-tensor events, with the saved tensors of a clean checked replay to
         compare against."""
-        return (self.config.fast_replay and bool(plan.packs)
+        return (self.config.fast_replay and bool(plan.packs) and not self._want_spans
                 and not self._structures[plan.signature].to_learn
                 and (not plan.moves or plan.move_schedule is not None)
                 and not plan.program.region_accesses
@@ -158,6 +160,7 @@ class FastSteps:
         self._current = plan
         if not complete or held:
             self._off_plan(plan, held if complete else frozenset())
+        self._recompute_report(report)
         self.phase = "replay"
         self.last_report = report
 

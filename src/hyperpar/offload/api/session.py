@@ -35,6 +35,7 @@ import torch
 from hyperpar.offload.api.config import OffloadConfig
 from hyperpar.offload.api.fast_steps import FastSteps
 from hyperpar.offload.api.plans import FastStep, Plan, Structure, signature_of
+from hyperpar.offload.api.recompute_steps import RecomputeSteps
 from hyperpar.offload.capture import (
     ExecutorBase,
     OffloadDispatchMode,
@@ -49,6 +50,7 @@ from hyperpar.offload.capture import (
 )
 from hyperpar.offload.capture.fast.fast_replay import FallbackExecutor
 from hyperpar.offload.capture.fast.saved_tensor_guard import SavedTensorGuard
+from hyperpar.offload.capture.tracing.module_spans import ModuleSpans
 from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
 from hyperpar.offload.ir.packed import PackedTrace
 from hyperpar.offload.ir.packed_schedule import PackedSchedule
@@ -63,6 +65,7 @@ from hyperpar.offload.planning.arrays import (
 )
 from hyperpar.offload.planning.deficit_warnings import deficit_warnings_muted
 from hyperpar.offload.planning.floor import BudgetFloor, budget_floor
+from hyperpar.offload.planning.levers import RecomputeChoice
 from hyperpar.offload.planning.simulate import SimResult
 from hyperpar.offload.planning.tails import plan_with_tails
 from hyperpar.offload.runtime import (
@@ -74,6 +77,7 @@ from hyperpar.offload.runtime import (
     make_copy_engine,
     probe_link,
 )
+from hyperpar.offload.runtime.recompute_regions import RecomputeRegions
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +93,7 @@ REPLAN_GROWTH = 1.01
 _UNKNOWN = object()  # no step has followed this structure yet
 
 
-class OffloadSession(FastSteps):
+class OffloadSession(FastSteps, RecomputeSteps):
     def __init__(self, config: OffloadConfig | None = None) -> None:
         if config is None:
             config = OffloadConfig()
@@ -115,6 +119,12 @@ class OffloadSession(FastSteps):
         self._budget_bytes = config.budget_bytes  # max_resident_fraction: resolved at the first trace
         self._said_below_floor = False
         self._said_below_fast_floor = False
+        self._recompute: RecomputeRegions | None = None  # module calls rebuilt in backward, chosen once
+        self._recompute_choice: RecomputeChoice | None = None
+        self._module_spans: ModuleSpans | None = None
+        self._recompute_stack: contextlib.ExitStack | None = None
+        self._recompute_applied = False
+        self._want_spans = False
         self._hooks_held = False
         self._bind_device(config.resolved_device())
 
@@ -214,7 +224,12 @@ class OffloadSession(FastSteps):
         plan = self._choose()
         self._came_from, self._running = self._prev, plan
         if plan is not None and self._fast_ok(plan):
-            self._start_fast(plan)
+            self._recompute_enter(None)
+            try:
+                self._start_fast(plan)
+            except BaseException:
+                self._recompute_exit()
+                raise
             return self
         if plan is not None:
             others = tuple(p.program for st in reversed(self._structures.values())
@@ -234,6 +249,7 @@ class OffloadSession(FastSteps):
         m.engine.begin_step()
         if executor.timer is not None:
             executor.timer.begin_step()
+        self._recompute_enter(executor)
         self._t0 = time.perf_counter()
         self._mode.__enter__()
         if self.config.fast_replay:  # on every step (saved-tensor hooks change the ops autograd
@@ -245,6 +261,7 @@ class OffloadSession(FastSteps):
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> bool:
+        self._recompute_exit()  # the modules' own forward back, however the step ended
         fast, packs = self._fast, self._packs
         self._fast = self._packs = None
         if fast is not None:
@@ -370,6 +387,15 @@ class OffloadSession(FastSteps):
             self._measured_floor(executor, plan).annotate(report)
         else:
             plan.annotate(report)
+        if isinstance(executor, WarmupExecutor) and trace is not None and arrays is not None:
+            self._recompute_gate(trace, arrays, plan.predicted_ms, bool(plan.program.region_accesses))
+        elif self._module_spans is not None and isinstance(executor, ReplayExecutor):
+            if executor.diverged_at is None:
+                self._choose_recompute(plan.signature, plan.trace,
+                                       packed_trace_arrays(plan.trace, plan.packed), plan.predicted_ms)
+            else:
+                self._module_spans = None  # (another step than the plan's: try on the next one)
+        self._recompute_report(report)
         self.phase = "warmup" if self._choose() is None else "replay"
         self.last_report = report
 

@@ -48,6 +48,9 @@ class StepReport:
     # stayed on the device) when they no longer fit the budget or at the end of forward. The
     # session plans again with those storages kept, or checks that plan's steps from then on.
     held_past_release_bytes: int = 0
+    # Bytes the step's checkpointed module calls did not keep for backward (rebuilt there
+    # instead), as the plan counted them on the first trace; 0 without recompute.
+    bytes_recomputed: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

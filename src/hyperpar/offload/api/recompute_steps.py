@@ -1,0 +1,148 @@
+"""The session's side of recompute: whether rebuilding could pay (on the first trace), the
+module calls of the step that follows, the choice made on them (``planning.levers``), and the
+chosen calls checkpointed on every later step.
+
+The module calls are recorded on the checked replay after warmup, not in warmup: global
+module hooks change what ``torch.compile`` traces, and most steps never need them (a plan
+whose copies hide behind compute, a budget that holds the whole peak). The choice is made
+once: a step that rebuilds is another step (its backward runs the rebuilt calls' ops, its
+forward keeps less), so the next step is traced again and the plan that offloads the rest
+is made on that trace, as the step really runs. Steps with compiled or ``skip_offload``
+regions are not rebuilt (their calls are not seen).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from hyperpar.offload.capture import ExecutorBase, ReplayExecutor
+from hyperpar.offload.capture.tracing.module_spans import ModuleSpans
+from hyperpar.offload.ir import ActivationTrace
+from hyperpar.offload.ir.report import StepReport
+from hyperpar.offload.planning.arrays import TraceArrays, resident_without_offload
+from hyperpar.offload.planning.levers import RecomputeChoice, choose_recompute, regions_of, worth_looking
+from hyperpar.offload.runtime.recompute_regions import RecomputeRegions
+
+logger = logging.getLogger("hyperpar.offload.api.session")
+
+
+class RecomputeSteps:
+    """Mixed into ``OffloadSession`` (its attributes are the session's)."""
+
+    config: Any
+    _budget_bytes: int
+    _next: dict[int, int | None]
+    _recompute: RecomputeRegions | None
+    _recompute_choice: RecomputeChoice | None
+    _module_spans: ModuleSpans | None
+    _recompute_stack: contextlib.ExitStack | None
+    _recompute_applied: bool  # the running (or last) step ran with the chosen calls checkpointed
+    _want_spans: bool  # the next checked replay records module calls for the choice
+
+    def _recompute_enter(self, executor: ExecutorBase | None) -> None:
+        """At a step's start: the chosen calls checkpointed; on the checked replay the choice
+        waits for, its module calls recorded."""
+        stack = contextlib.ExitStack()
+        self._recompute_applied = self._recompute is not None
+        try:
+            if self._recompute is not None:
+                stack.enter_context(self._recompute.applied())
+            if self._want_spans and isinstance(executor, ReplayExecutor):
+                self._module_spans = stack.enter_context(ModuleSpans(lambda: executor.index))
+        except BaseException:
+            stack.close()
+            raise
+        self._recompute_stack = stack
+
+    def _recompute_exit(self) -> None:
+        stack, self._recompute_stack = self._recompute_stack, None
+        if stack is not None:
+            stack.close()
+
+    def _recompute_report(self, report: StepReport) -> None:
+        """The step's report: what its checkpointed calls did not keep (none before the choice)."""
+        if self._recompute is not None and self._recompute_applied:
+            report.bytes_recomputed = self._recompute.saved_bytes
+
+    def _recompute_costs(self, trace: ActivationTrace, arrays: TraceArrays, predicted_ms: float
+                         ) -> tuple[TraceArrays, float, float, float, float, int]:
+        """Op times, compute, the offload-only plan's exposed copies, the link each way and
+        the bytes the budget makes a plan take off at the peak: measured here, or on the
+        model of ``plan_for``."""
+        d2h, h2d = trace.d2h_bandwidth_gbps, trace.h2d_bandwidth_gbps
+        compute_ms = float(arrays.duration_ms.sum())
+        exposed_ms = predicted_ms - compute_ms
+        if self.config.plan_for is not None:
+            arrays, compute_ms, exposed_ms, d2h = _on_device(trace, arrays, self.config.plan_for,
+                                                             self._budget_bytes)
+            h2d = d2h
+        resident = resident_without_offload(arrays)
+        need = (int(resident.max()) if len(resident) else 0) - self._budget_bytes
+        return arrays, compute_ms, exposed_ms, d2h, h2d, need
+
+    def _recompute_gate(self, trace: ActivationTrace, arrays: TraceArrays, predicted_ms: float,
+                        regions: bool) -> None:
+        """After the first warmup's plan: whether rebuilding could pay at all; if so the next
+        checked replay records the module calls to choose from (``regions``: the step has
+        compiled or opaque regions, whose calls are not seen: no rebuilding)."""
+        if self._recompute_choice is not None or self._want_spans or self.config.recompute == "off":
+            return
+        if regions:
+            self._recompute_choice = RecomputeChoice(why="the step has compiled or skip_offload regions")
+            logger.info("recompute: none (%s)", self._recompute_choice.why)
+            return
+        if self.config.recompute == "layers":
+            self._want_spans = True
+            return
+        _, compute_ms, exposed_ms, _, _, need = self._recompute_costs(trace, arrays, predicted_ms)
+        why = worth_looking(need, exposed_ms, compute_ms)
+        if why:
+            self._recompute_choice = RecomputeChoice(why=why)
+            logger.info("recompute: none (%s)", why)
+        else:
+            self._want_spans = True
+
+    def _choose_recompute(self, signature: int, trace: ActivationTrace, arrays: TraceArrays,
+                          predicted_ms: float) -> None:
+        """After the checked replay that recorded the module calls: which to rebuild from now
+        on (see ``planning.levers``); if any, the next step is traced again with them."""
+        spans, self._module_spans = self._module_spans, None
+        self._want_spans = False
+        if spans is None or self._recompute_choice is not None:
+            return
+        modules = {}
+        calls = []
+        for span in spans.spans:
+            module = span.module()
+            if module is not None:
+                modules[id(module)] = module
+                calls.append((id(module), span.first, span.end, span.depth))
+        arrays, compute_ms, exposed_ms, d2h, h2d, need = self._recompute_costs(trace, arrays, predicted_ms)
+        choice = choose_recompute(regions_of(arrays, calls, d2h, h2d), need, exposed_ms, compute_ms,
+                                  self._budget_bytes, everything=self.config.recompute == "layers")
+        self._recompute_choice = choice
+        if not choice.regions:
+            logger.info("recompute: none (%s)", choice.why)
+            return
+        self._recompute = RecomputeRegions([modules[r.key] for r in choice.regions], choice.freed_bytes)
+        self._next[signature] = None  # the step with the rebuilt calls is another step: trace it
+        logger.info("recompute: %s (%s)", ", ".join(sorted(set(self._recompute.names))), choice.why)
+
+
+def _on_device(trace: ActivationTrace, arrays: TraceArrays, device_name: str, budget_bytes: int
+               ) -> tuple[TraceArrays, float, float, float]:
+    """The trace's op times on ``device_name``'s model (each op the longer of plain's host cost
+    and its roofline time), its plain compute and the copy wait an offload-only plan leaves
+    there (``projection.project``), and its link bandwidth."""
+    from hyperpar.offload.projection import HostCosts, get_device, project  # beside planning, not below
+
+    device, host = get_device(device_name), HostCosts()
+    projection = project(trace, device, host, budget_bytes)
+    device_ms = np.maximum(np.asarray(projection.device_us, dtype=np.float64), host.plain_us) / 1e3
+    return (replace(arrays, duration_ms=device_ms), projection.plain.step_us / 1e3,
+            projection.replay.copy_wait_us / 1e3, device.link_gbps)

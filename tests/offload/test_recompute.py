@@ -1,0 +1,213 @@
+"""Recompute beside offload (issue 41, first step): module calls rebuilt in backward by torch's
+checkpoint, chosen by cost (``planning.levers``) or per layer, bitwise against plain PyTorch
+with dropout on, the budget held, the fast path reached."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from hyperpar.offload import OffloadConfig, OffloadSession
+from hyperpar.offload.planning.arrays import TraceArrays
+from hyperpar.offload.planning.levers import Region, choose_recompute, regions_of, worth_looking
+from tests.offload.test_fast_replay import MIB
+
+
+class Block(torch.nn.Module):
+    """Many bytes, few FLOPs: a norm, an activation, a scale and dropout."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.scale = torch.nn.Parameter(torch.ones(width))
+        self.drop = torch.nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(torch.nn.functional.gelu(self.norm(x)) * self.scale)
+
+
+class Net(torch.nn.Module):
+    def __init__(self, width: int, blocks: int = 6) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(Block(width) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def _peak(width: int, rows: int) -> int:
+    probe = OffloadSession(OffloadConfig(max_resident_activation_mb=1e6, recompute="off"))
+    with probe:
+        Net(width)(torch.randn(rows, width)).backward()
+    assert probe.last_report is not None
+    return probe.last_report.peak_resident_bytes
+
+
+def _steps(fraction: float, steps: int = 6, width: int = 64, rows: int = 128, **config: Any
+           ) -> tuple[OffloadSession, list[Any]]:
+    """Steps of ``Net`` plainly and in a session at ``fraction`` of its peak, each bitwise
+    (the same dropout masks: seeded per step) and within the budget."""
+    torch.set_num_threads(1)
+    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(0))
+    plain, off = Net(width), Net(width)
+    budget = int(_peak(width, rows) * fraction)
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=budget / MIB, **config))
+    reports = []
+    for step in range(steps):
+        torch.manual_seed(step)
+        plain(x).backward()
+        torch.manual_seed(step)
+        with session:
+            off(x).backward()
+        report = session.last_report
+        assert report is not None and report.peak_resident_bytes <= budget, report
+        for a, b in zip(plain.parameters(), off.parameters(), strict=True):
+            assert torch.equal(a.grad, b.grad), (step, report)
+        assert all("forward" not in m.__dict__ for m in off.modules()), "a checkpointed forward stayed"
+        plain.zero_grad(set_to_none=True)
+        off.zero_grad(set_to_none=True)
+        reports.append(report)
+    return session, reports
+
+
+def test_layers_checkpoints_every_block_bitwise_and_needs_no_copies() -> None:
+    session, reports = _steps(0.5, recompute="layers")
+    # warmup, the checked replay that records the calls, the rebuilding step traced, checked, fast
+    assert [r.replay_path for r in reports] == [None, "checked", None, "checked", "fast", "fast"]
+    assert [r.bytes_recomputed > 0 for r in reports] == [False, False, True, True, True, True]
+    assert reports[0].bytes_d2h > 0 and reports[-1].bytes_d2h == 0  # rebuilding freed enough
+    assert reports[-1].peak_resident_bytes < reports[1].peak_resident_bytes
+    assert session._recompute is not None and session._recompute.names == ["Block"] * 6
+
+
+def test_auto_rebuilds_where_the_link_of_the_device_planned_for_cannot_keep_up() -> None:
+    """On an H100's model (50 GB/s link, 4 us launches) this step's copies would stay exposed:
+    the cheap blocks are rebuilt instead, and fewer bytes move than offload alone moves."""
+    _, alone = _steps(0.5, steps=3, width=1024, rows=1024, recompute="off", plan_for="h100")
+    session, mixed = _steps(0.5, steps=5, width=1024, rows=1024, plan_for="h100")
+    choice = session._recompute_choice
+    assert choice is not None and choice.regions and "rebuilt" in choice.why
+    assert mixed[-1].replay_path == "fast" and mixed[-1].bytes_recomputed > 0
+    assert mixed[-1].bytes_d2h < alone[-1].bytes_d2h
+
+
+def test_auto_leaves_a_plan_whose_copies_hide_alone() -> None:
+    """Measured here, this small step's copies hide behind compute: nothing rebuilt, the paths
+    of offload alone (warmup, checked, fast)."""
+    session, reports = _steps(0.5, steps=4)
+    assert [r.replay_path for r in reports] == [None, "checked", "fast", "fast"]
+    assert all(r.bytes_recomputed == 0 for r in reports) and session._recompute is None
+
+
+def test_a_recipe_input_written_in_place_raises_as_plain_does() -> None:
+    """The first block keeps its input to rebuild from; written in place after forward, backward
+    raises autograd's error, as plain PyTorch does where the block saved it."""
+    torch.set_num_threads(1)
+    errors = []
+    for session in (None, OffloadSession(OffloadConfig(max_resident_activation_mb=1e6, recompute="layers"))):
+        net = Net(64, blocks=3)
+        x = torch.randn(32, 64)
+        for _ in range(4):  # with a session: checkpointed from the third step on
+            rebuilt = session is None or session._recompute is not None
+            h = x * 2
+            with session if session is not None else contextlib.nullcontext():
+                out = net(h)
+                if rebuilt:
+                    h.mul_(3)
+                    with pytest.raises(RuntimeError, match="modified by an inplace operation") as caught:
+                        out.backward()
+                    errors.append(caught.value)
+                else:
+                    out.backward()
+            net.zero_grad(set_to_none=True)
+            if rebuilt:
+                break
+        assert session is None or session._recompute_applied
+    assert len(errors) == 2
+
+
+def test_modules_get_their_own_forward_back_when_a_step_raises() -> None:
+    torch.set_num_threads(1)
+    net = Net(64, blocks=3)
+    own = net.blocks[1].forward
+    net.blocks[1].forward = own  # an instance attribute the user set: kept as it was
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=1e6, recompute="layers"))
+    x = torch.randn(32, 64)
+    for _ in range(3):
+        with session:
+            net(x).backward()
+    assert session._recompute is not None
+    with pytest.raises(ValueError, match="boom"), session:
+        net(x)
+        raise ValueError("boom")
+    assert "forward" not in net.blocks[0].__dict__ and net.blocks[1].__dict__["forward"] is own
+
+
+@pytest.mark.parametrize(("field", "value"),
+                         [("recompute", "sometimes"), ("plan_for", "v100"), ("plan_for", 3)])
+def test_bad_settings_name_the_argument_and_the_value(field: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=f"OffloadConfig.{field}.*{value!r}"):
+        OffloadConfig(**{field: value})
+
+
+def _arrays(durations: list[float], accesses: list[tuple[int, int]], sizes: dict[int, int]) -> TraceArrays:
+    op = np.array([a for a, _ in accesses], dtype=np.int64)
+    sid = np.array([s for _, s in accesses], dtype=np.int64)
+    sids = np.array(sorted(sizes), dtype=np.int64)
+    dense = np.searchsorted(sids, sid)
+    first = np.full(len(sids), len(durations), dtype=np.int64)
+    last = np.full(len(sids), -1, dtype=np.int64)
+    np.minimum.at(first, dense, op)
+    np.maximum.at(last, dense, op)
+    size = np.array([sizes[s] for s in sids.tolist()], dtype=np.int64)
+    return TraceArrays(len(durations), op, sid, np.zeros(len(op), dtype=bool), size[dense],
+                       np.array(durations), sids, first, last, last.copy(), size, np.zeros(0, dtype=np.int64))
+
+
+def test_the_cheap_region_is_rebuilt_and_the_expensive_one_kept() -> None:
+    """Two calls save 1 MB each for backward (ops 8, 9 read them); one takes 0.01 ms, the other
+    10 ms: at 1 GB/s each way the link needs 2 ms for 1 MB, so only the cheap one pays."""
+    arr = _arrays([0.01, 10.0, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1],
+                  [(0, 1), (1, 2), (2, 3), (8, 1), (9, 2), (9, 3)], {1: 10**6, 2: 10**6, 3: 10})
+    regions = regions_of(arr, [(7, 0, 1, 1), (8, 1, 2, 1), (9, 0, 3, 0)], 1.0, 1.0)
+    by_key = {r.key: r for r in regions}
+    assert by_key[7].freed_bytes == by_key[8].freed_bytes == 10**6
+    assert by_key[7].link_ms == pytest.approx(2.0)
+    choice = choose_recompute(regions, need_bytes=2 * 10**6, exposed_ms=5.0, compute_ms=10.0,
+                              budget_bytes=8 * 10**6)
+    assert [r.key for r in choice.regions] == [7]
+    # the whole step as one region would bring every byte back at once: over the share
+    assert not choose_recompute(regions, 2 * 10**6, 5.0, 10.0, budget_bytes=10**6).regions
+
+
+def test_no_region_is_looked_for_where_none_can_pay() -> None:
+    assert "holds the whole peak" in worth_looking(0, 5.0, 10.0)
+    assert "hides its copies" in worth_looking(10, 0.1, 10.0)
+    assert worth_looking(10, 5.0, 10.0) == ""
+    cheap = Region(1, ((0, 1),), 1, 10, 0.01, 1.0)
+    assert "hides" in choose_recompute([cheap], 10, 0.0, 10.0, 100).why
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_hf_models_checkpointed_per_layer_are_bitwise(family: str) -> None:
+    """Real clients, dropout on (GPT-2's default): every decoder layer rebuilt, bitwise against
+    plain on every step, the budget held: at 35 % of the peak with the rest offloaded on the
+    checked replay (the layers' kept inputs, which torch's checkpoint holds in Python, only
+    the dispatch mode can move), at 70 % with nothing to move, on the fast path."""
+    pytest.importorskip("transformers")
+    from tests.offload.test_fast_moves import _hf_gpt2, _hf_llama, _hf_steps, _ids
+
+    build, ids = (_hf_llama, _ids(128, 32)) if family == "llama" else (_hf_gpt2, _ids(256, 64))
+    for fraction, last in ((0.35, "checked"), (0.7, "fast")):
+        session, paths = _hf_steps(build, ids, 5, fraction=fraction, recompute="layers", planner="greedy")
+        assert session._recompute is not None and len(set(session._recompute.names)) == 1
+        assert session._recompute.names[0].endswith(("DecoderLayer", "Block")), session._recompute.names
+        assert paths[:4] == [None, "checked", None, "checked"] and paths[-1] == last, paths
+        assert session.last_report is not None and session.last_report.bytes_recomputed > 0
