@@ -6,7 +6,7 @@ common op (a plain aten op that mutates no argument and takes its tensors positi
 of them with a storage) takes a fused copy of the online path: the same decisions in one
 frame (its one tensor output bound there too, most ops' case), with the rare cases (budget
 pressure, pages to bring back, pins, outputs that are older activations) handed to the
-shared methods. Per tiny op that path costs about 76k CPU instructions against 15k for the
+shared methods. Per tiny op that path costs about 74k CPU instructions against 14k for the
 op without a session and 43k under a do-nothing dispatch mode
 (``benchmarks/warmup_instructions.py``).
 """
