@@ -125,6 +125,9 @@ def _predictors() -> dict[Any, Predictor]:
 
 
 PREDICTORS: dict[Any, Predictor] = _predictors()
+# What a predictor raises for arguments it does not understand (``predict_or_none``; warmup's
+# fused path catches them itself, one frame less on every predicted op).
+PREDICT_ERRORS = (TypeError, ValueError, IndexError, AttributeError, RuntimeError)
 
 
 def predicted_bytes(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -140,5 +143,6 @@ def predict_or_none(predict: Predictor, args: tuple[Any, ...], kwargs: dict[str,
     unexpected overload's layout): the caller falls back to what the op made before."""
     try:
         return predict(args, kwargs, here)
-    except (TypeError, ValueError, IndexError, AttributeError, RuntimeError):
+    except PREDICT_ERRORS:
         return None
+

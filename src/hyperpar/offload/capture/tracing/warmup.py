@@ -4,9 +4,9 @@ The budget is kept online (see ``executor_base``); when nothing is left to evict
 overshoot is recorded, never raised. Ops are recorded as columns (``TraceColumns``), and the
 common op (a plain aten op that mutates no argument and takes its tensors positionally, all
 of them with a storage) takes a fused copy of the online path: the same decisions in one
-frame (and ``_bind_one`` for an op with one tensor output), with the rare cases (budget
+frame (its one tensor output bound there too, most ops' case), with the rare cases (budget
 pressure, pages to bring back, pins, outputs that are older activations) handed to the
-shared methods. Per tiny op that path costs about 76k CPU instructions against 15k for the
+shared methods. Per tiny op that path costs about 74k CPU instructions against 14k for the
 op without a session and 43k under a do-nothing dispatch mode
 (``benchmarks/warmup_instructions.py``).
 """
@@ -26,7 +26,7 @@ from hyperpar.offload.capture.mode.executor_base import ExecutorBase
 from hyperpar.offload.capture.mode.online_path import OpState
 from hyperpar.offload.capture.ops.op_args import mutates, nested_tensors, output_leaves
 from hyperpar.offload.capture.ops.op_identity import DTYPE_NAMES, PLAIN, dtype_name, op_kind, op_name
-from hyperpar.offload.capture.ops.output_bytes import PREDICTORS, predict_or_none
+from hyperpar.offload.capture.ops.output_bytes import PREDICT_ERRORS, PREDICTORS
 from hyperpar.offload.capture.tracing.recorded_packed import packed_recording, timed_durations
 from hyperpar.offload.ir import AccessKind, ActivationTrace
 from hyperpar.offload.ir.guide import NOT_ACTIVATION
@@ -139,7 +139,12 @@ class WarmupExecutor(ExecutorBase):
         reads = len(kinds)
         if reads and m.entries:
             self._bring_in(kinds)
-        made = None if op.predict is None else predict_or_none(op.predict, args, kwargs, self.device)
+        made = None
+        if op.predict is not None:  # ``predict_or_none``, inline
+            try:
+                made = op.predict(args, kwargs, self.device)
+            except PREDICT_ERRORS:
+                pass
         if made is None:
             ratio = self._out_ratio.get(fid)
             if ratio is None:
@@ -161,9 +166,7 @@ class WarmupExecutor(ExecutorBase):
             out = op.call(*args, **kwargs)
             self._marks_end.append(timer.mark())
             self.durations.append(0.0)
-        if isinstance(out, Tensor):
-            self._bind_one(op, i, kinds, reads, in_sids, in_bytes, out)
-        else:
+        if out.__class__ is not Tensor and not isinstance(out, Tensor):
             leaves = output_leaves(out)
             in_ids = [id(t.untyped_storage()) for t in args if isinstance(t, Tensor)]
             meta, bindings, pin, fresh, rewritten = self.bind_outputs(func, i, kinds, in_ids, in_bytes,
@@ -174,37 +177,33 @@ class WarmupExecutor(ExecutorBase):
                 self.refresh_written(kinds, fresh)
             self.note_peak(i)
             self.columns.add(name, func, kinds, len(leaves), bindings, meta, in_sids, reads)
-        self._last_exit = _perf_counter()
-        return out
-
-    def _bind_one(self, op: _Fused, i: int, kinds: dict[int, AccessKind], reads: int, in_sids: list[int],
-                  in_bytes: int, out: Tensor) -> None:
-        """``bind_outputs`` and the rest of the op for its one tensor output, without the lists
-        and dicts that several outputs need. ``kinds`` holds just the inputs here, so an output
-        storage with a sid in it is an input's (a view) and one in ``_plain`` is an input's or
-        a parameter's: neither is new."""
+            self._last_exit = _perf_counter()
+            return out
+        # One tensor output: ``bind_outputs`` and the rest of the op here, without the lists and
+        # dicts that several outputs need (and without a call: this is most ops). ``kinds``
+        # holds just the inputs here, so an output storage with a sid in it is an input's (a
+        # view) and one in ``_plain`` is an input's or a parameter's: neither is new.
         dtype = out.dtype
         meta = ((tuple(out.shape), DTYPE_NAMES.get(dtype) or dtype_name(dtype)),)
         bound = -1
-        table, m = self.table, self.manager
         try:
             st = out.untyped_storage()
         except (RuntimeError, NotImplementedError):
             self.pin_sids(kinds)
         else:
             st_id = id(st)
-            sid = table.sid_of.get(st_id)
+            sid = sid_of.get(st_id)
             if sid is not None:
                 if sid not in kinds:  # an older activation came out: written
                     kinds[sid] = WRITE
                     self.refresh_written(kinds, len(table.ids))
             else:
-                p = self._plain.get(st_id)
+                p = plain.get(st_id)
                 if (p is None or p() is not st) and st.device == self.device:  # else: a fake tensor's, meta
                     nbytes = st.nbytes()
                     if nbytes:
-                        if in_bytes and nbytes / in_bytes > self._out_ratio.get(id(op.func), 0.0):
-                            self.raise_out_ratio(op.func, nbytes / in_bytes)
+                        if in_bytes and nbytes / in_bytes > self._out_ratio.get(fid, 0.0):
+                            self.raise_out_ratio(func, nbytes / in_bytes)
                         bound = table.bind_new(st, nbytes, i)
                         kinds[bound] = WRITE
                         if out.layout is _STRIDED and not out.is_quantized and not out.is_nested:
@@ -214,7 +213,9 @@ class WarmupExecutor(ExecutorBase):
         resident = table.live_bytes - m.away_bytes + m.pending_bytes
         if resident > self.peak_bytes:
             self.peak_bytes, self.peak_op = resident, i
-        self.columns.add_one(op.name, op.func, kinds, reads, in_sids, meta, bound)
+        self.columns.add_one(name, func, kinds, reads, in_sids, meta, bound)
+        self._last_exit = _perf_counter()
+        return out
 
     def begin_opaque(self, name: str, reads: list[torch.UntypedStorage]) -> OpState:
         return self.online_begin_opaque(name, reads)
