@@ -3,12 +3,12 @@ less than the copies offload alone would leave exposed, planned for an H100 whil
 here.
 
 A stack of cheap blocks (a norm, an activation, dropout: many bytes, few FLOPs) at a budget
-of 40 % of its activation peak. With ``plan_for="h100"`` the session prices each module call
+of half its activation peak (``--fraction``). With ``plan_for="h100"`` the session prices each module call
 on an H100's model (50 GB/s host link, 4 us per launch): moving these blocks' activations
-over the link would take far longer than running them again, so it checkpoints the blocks
-(torch's non-reentrant checkpoint, no model change) and offloads what is left.
+over the link would take far longer than running them again, so it rebuilds the blocks in
+backward (no model change) and offloads what is left.
 ``recompute="layers"`` checkpoints every repeated block whatever the costs;
-``recompute="off"`` never rebuilds. Each run's losses are checked bitwise against plain
+``recompute="off"`` (the default) never rebuilds. Each run's losses are checked bitwise against plain
 PyTorch with the same dropout masks.
 
     .venv/bin/python examples/offload_recompute.py
@@ -72,6 +72,7 @@ def main() -> int:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--blocks", type=int, default=6)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--fraction", type=float, default=0.5, help="the budget, of the activation peak")
     args = parser.parse_args()
     torch.set_num_threads(1)  # plain PyTorch repeats itself bit for bit on one thread
     x = torch.randn(args.rows, args.width, generator=torch.Generator().manual_seed(1))
@@ -80,7 +81,7 @@ def main() -> int:
     with probe:
         build(args.width, args.blocks)(x).square().mean().backward()
     assert probe.last_report is not None
-    budget = probe.last_report.peak_resident_bytes * 0.4
+    budget = probe.last_report.peak_resident_bytes * args.fraction
     plan_for = None if args.plan_for == "here" else args.plan_for
     session = OffloadSession(OffloadConfig(max_resident_activation_mb=budget / MIB, recompute=args.recompute,
                                            plan_for=plan_for))

@@ -91,7 +91,7 @@ def test_auto_rebuilds_where_the_link_of_the_device_planned_for_cannot_keep_up()
     """On an H100's model (50 GB/s link, 4 us launches) this step's copies would stay exposed:
     the cheap blocks are rebuilt instead, and fewer bytes move than offload alone moves."""
     _, alone = _steps(0.5, steps=3, width=1024, rows=1024, recompute="off", plan_for="h100")
-    session, mixed = _steps(0.5, steps=5, width=1024, rows=1024, plan_for="h100")
+    session, mixed = _steps(0.5, steps=5, width=1024, rows=1024, recompute="auto", plan_for="h100")
     choice = session._recompute_choice
     assert choice is not None and choice.regions and "rebuilt" in choice.why
     assert mixed[-1].replay_path == "fast" and mixed[-1].bytes_recomputed > 0
@@ -101,7 +101,7 @@ def test_auto_rebuilds_where_the_link_of_the_device_planned_for_cannot_keep_up()
 def test_auto_leaves_a_plan_whose_copies_hide_alone() -> None:
     """Measured here, this small step's copies hide behind compute: nothing rebuilt, the paths
     of offload alone (warmup, checked, fast)."""
-    session, reports = _steps(0.5, steps=4)
+    session, reports = _steps(0.5, steps=4, recompute="auto")
     assert [r.replay_path for r in reports] == [None, "checked", "fast", "fast"]
     assert all(r.bytes_recomputed == 0 for r in reports) and session._recompute is None
 
@@ -195,19 +195,97 @@ def test_no_region_is_looked_for_where_none_can_pay() -> None:
     assert "hides" in choose_recompute([cheap], 10, 0.0, 10.0, 100).why
 
 
+def _no_cache(build: Any) -> Any:
+    """The model with ``use_cache`` off, as HF's own gradient checkpointing sets it."""
+    def made() -> torch.nn.Module:
+        model = build()
+        model.config.use_cache = False
+        return model
+    return made
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_hf_models_checkpointed_per_layer_are_bitwise(family: str) -> None:
     """Real clients, dropout on (GPT-2's default): every decoder layer rebuilt, bitwise against
-    plain on every step, the budget held: at 35 % of the peak with the rest offloaded on the
-    checked replay (the layers' kept inputs, which torch's checkpoint holds in Python, only
-    the dispatch mode can move), at 70 % with nothing to move, on the fast path."""
+    plain on every step, the budget held: at 70 % with nothing to move, on the fast path; at
+    35 % with the rest offloaded, the layers' kept inputs on the fast path for GPT-2, on the
+    checked replay for Llama (its plan there copies out tensors the rebuilt layers save in
+    backward, which the fast path only copies out in forward: fast-path floor 2x the general)."""
     pytest.importorskip("transformers")
     from tests.offload.test_fast_moves import _hf_gpt2, _hf_llama, _hf_steps, _ids
 
     build, ids = (_hf_llama, _ids(128, 32)) if family == "llama" else (_hf_gpt2, _ids(256, 64))
-    for fraction, last in ((0.35, "checked"), (0.7, "fast")):
-        session, paths = _hf_steps(build, ids, 5, fraction=fraction, recompute="layers", planner="greedy")
+    for fraction, last in ((0.35, "checked" if family == "llama" else "fast"), (0.7, "fast")):
+        session, paths = _hf_steps(_no_cache(build), ids, 6, fraction=fraction, recompute="layers",
+                                   planner="greedy")
         assert session._recompute is not None and len(set(session._recompute.names)) == 1
         assert session._recompute.names[0].endswith(("DecoderLayer", "Block")), session._recompute.names
-        assert paths[:4] == [None, "checked", None, "checked"] and paths[-1] == last, paths
+        assert paths[:4] == [None, "checked", None, "checked"] and paths[-1] == last, (fraction, paths)
         assert session.last_report is not None and session.last_report.bytes_recomputed > 0
+
+
+def test_a_call_given_a_cache_keeps_what_it_saves(caplog: pytest.LogCaptureFixture) -> None:
+    """HF Llama with ``use_cache`` on hands each layer a cache it updates: run again in backward
+    it would update it twice (wrong gradients), so those calls are not rebuilt, said once."""
+    pytest.importorskip("transformers")
+    from tests.offload.test_fast_moves import _hf_llama, _hf_steps, _ids
+
+    with caplog.at_level("WARNING", logger="hyperpar.offload.runtime.recompute_regions"):
+        session, _ = _hf_steps(_hf_llama, _ids(128, 32), 4, fraction=0.7, recompute="layers")
+    assert session.last_report is not None and session.last_report.bytes_recomputed == 0
+    said = [r.getMessage() for r in caplog.records if "DynamicCache" in r.getMessage()]
+    assert len(said) == 1 and "LlamaDecoderLayer" in said[0], said
+
+
+class Counting(torch.nn.Module):
+    """Its output depends on how often it ran: run again, it differs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.tanh(self.lin(x)) * self.calls
+
+
+def test_a_call_that_rebuilds_other_outputs_stops_backward() -> None:
+    from hyperpar.offload.runtime.recompute_regions import RecomputeMismatchError
+
+    torch.set_num_threads(1)
+    net = torch.nn.Sequential(Counting(), Counting())
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=1e6, recompute="layers"))
+    x = torch.randn(8, 16)
+    for _ in range(2):
+        with session:
+            net(x).sum().backward()
+        net.zero_grad(set_to_none=True)
+    assert session._recompute is not None
+    with pytest.raises(RecomputeMismatchError, match="Counting run again in backward gave another output"):
+        with session:
+            net(x).sum().backward()
+
+
+def test_autograd_grad_through_rebuilt_calls_returns_what_plain_returns() -> None:
+    """The module's parameters are inputs of the rebuilt call: ``torch.autograd.grad`` gets
+    their gradients (bitwise, dropout on) and nothing is accumulated into ``.grad``."""
+    torch.set_num_threads(1)
+    plain, off = Net(64, 3), Net(64, 3)
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(0))
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=1e6, recompute="layers"))
+    for step in range(4):
+        torch.manual_seed(step)
+        expected = torch.autograd.grad(plain(x), list(plain.parameters()))
+        torch.manual_seed(step)
+        with session:
+            got = torch.autograd.grad(off(x), list(off.parameters()))
+        assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True)), step
+        assert all(p.grad is None for p in off.parameters())
+    assert session.last_report is not None and session.last_report.bytes_recomputed > 0
+
+
+def test_recompute_is_off_unless_asked() -> None:
+    assert OffloadConfig().recompute == "off"
+    session, reports = _steps(0.5, steps=3, width=1024, rows=1024, plan_for="h100")
+    assert session._recompute_choice is None and all(r.bytes_recomputed == 0 for r in reports)

@@ -100,3 +100,15 @@ def test_small_copies_run_inline_and_still_show_on_the_timeline() -> None:
     with pytest.raises(ValueError, match="delay_s"):
         ThreadCopyEngine(delay_s=-1.0)
     engine.close()
+
+
+@pytest.mark.parametrize(("env", "kind"), [("auto", ThreadCopyEngine), ("", ThreadCopyEngine),
+                                           ("sync", SyncCopyEngine)])
+def test_the_engine_variable_may_name_auto_too(monkeypatch: pytest.MonkeyPatch, env: str, kind: type) -> None:
+    """``HYPERPAR_COPY_ENGINE=auto`` means what ``auto`` means (it was refused as unknown)."""
+    monkeypatch.setenv("HYPERPAR_COPY_ENGINE", env)
+    engine = make_copy_engine(torch.device("cpu"))
+    try:
+        assert isinstance(engine, kind)
+    finally:
+        engine.close()

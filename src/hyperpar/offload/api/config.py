@@ -56,10 +56,11 @@ class OffloadConfig:
     # A step whose plan moves nothing runs without the dispatch mode once a checked replay of
     # it ran clean (saved tensors fingerprinted instead; see capture/fast/fast_replay.py)
     fast_replay: bool = True
-    # Rebuild module calls in backward instead of keeping what they save (torch's checkpoint):
-    # "auto" where it costs less than the copies an offload-only plan cannot hide, "layers"
-    # every repeated block (full checkpointing per layer), "off" never
-    recompute: str = "auto"
+    # Rebuild module calls in backward instead of keeping what they save: "auto" where it
+    # costs less than the copies an offload-only plan cannot hide, "layers" every repeated
+    # block (full checkpointing per layer), "off" (default, for now: a rebuilding step is
+    # traced again, and the fast path copies out in forward only) never
+    recompute: str = "off"
     # Plan for another device than the one the session runs on: "h100", "h200", "a100" (the
     # models of ``hyperpar.offload.projection``); None plans on the times measured here. So
     # far the recompute choice uses it; the offload plan still uses the measured times.

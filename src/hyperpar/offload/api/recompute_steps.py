@@ -67,7 +67,7 @@ class RecomputeSteps:
     def _recompute_report(self, report: StepReport) -> None:
         """The step's report: what its checkpointed calls did not keep (none before the choice)."""
         if self._recompute is not None and self._recompute_applied:
-            report.bytes_recomputed = self._recompute.saved_bytes
+            report.bytes_recomputed = self._recompute.step_bytes
 
     def _recompute_costs(self, trace: ActivationTrace, arrays: TraceArrays, predicted_ms: float
                          ) -> tuple[TraceArrays, float, float, float, float, int]:
@@ -129,7 +129,8 @@ class RecomputeSteps:
         if not choice.regions:
             logger.info("recompute: none (%s)", choice.why)
             return
-        self._recompute = RecomputeRegions([modules[r.key] for r in choice.regions], choice.freed_bytes)
+        self._recompute = RecomputeRegions([modules[r.key] for r in choice.regions],
+                                           [r.freed_bytes // len(r.spans) for r in choice.regions])
         self._next[signature] = None  # the step with the rebuilt calls is another step: trace it
         logger.info("recompute: %s (%s)", ", ".join(sorted(set(self._recompute.names))), choice.why)
 

@@ -35,7 +35,9 @@ def make_copy_engine(device: torch.device, kind: str = "auto") -> CopyEngine:
     ``HYPERPAR_COPY_ENGINE`` environment variable names); or ``sync``/``thread``/``stream``/
     ``chaos[:SEED]``."""
     if kind == "auto":
-        kind = os.environ.get(ENGINE_ENV) or ("thread" if device.type == "cpu" else "stream")
+        kind = os.environ.get(ENGINE_ENV) or "auto"
+    if kind == "auto":  # (the variable may say so too)
+        kind = "thread" if device.type == "cpu" else "stream"
     seed = chaos_seed(kind)
     if seed is not None:
         return ChaosCopyEngine(seed)

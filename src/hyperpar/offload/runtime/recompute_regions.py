@@ -17,6 +17,8 @@ the rest is made on a trace of the step as it really runs.
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import functools
 import logging
 import weakref
@@ -25,7 +27,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+from torch.utils.checkpoint import checkpoint, get_device_states, set_device_states
 
 logger = logging.getLogger(__name__)
 
@@ -34,10 +37,12 @@ class RecomputeRegions:
     """Module instances whose calls a step rebuilds in backward instead of keeping what they
     save. Held weakly: a module gone since the plan is simply not wrapped."""
 
-    def __init__(self, modules: list[torch.nn.Module], saved_bytes: int = 0) -> None:
+    def __init__(self, modules: list[torch.nn.Module], call_bytes: list[int] | None = None) -> None:
         self._modules = [weakref.ref(m) for m in modules]
-        self.saved_bytes = saved_bytes  # what the plan expects them not to keep, per step
+        # what each module's call does not keep, as the plan counted it on the trace
+        self._call_bytes = call_bytes or [0] * len(modules)
         self.names = [type(m).__name__ for m in modules]
+        self.step_bytes = 0  # of the running (or last) step: the calls it did rebuild
 
     def __len__(self) -> int:
         return sum(1 for ref in self._modules if ref() is not None)
@@ -47,13 +52,14 @@ class RecomputeRegions:
         """For one step: each module's calls checkpointed; the original ``forward`` back after
         (an instance attribute set by the user before is restored as it was)."""
         patched: list[tuple[torch.nn.Module, Any]] = []
+        self.step_bytes = 0
         try:
-            for ref in self._modules:
+            for ref, nbytes in zip(self._modules, self._call_bytes, strict=True):
                 module = ref()
                 if module is None or _is_wrapped(module.forward):
                     continue
                 before = module.__dict__.get("forward", _ABSENT)
-                module.forward = _checkpointed(module.forward)  # type: ignore[method-assign]
+                module.forward = _checkpointed(module.forward, functools.partial(self._rebuilt, nbytes))  # type: ignore[method-assign]
                 patched.append((module, before))
             yield
         finally:
@@ -64,18 +70,163 @@ class RecomputeRegions:
                     module.forward = before  # type: ignore[method-assign]
 
 
+    def _rebuilt(self, nbytes: int) -> None:
+        self.step_bytes += nbytes
+
+
 _ABSENT = object()
 
 
-def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
+def _checkpointed(forward: Callable[..., Any], rebuilt: Callable[[], None]) -> Callable[..., Any]:
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # nothing is saved without grad: plain call
             return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        module = getattr(forward, "__self__", None)
+        leaves, spec = tree_flatten((args, kwargs))
+        stateful = next((x for x in leaves if not isinstance(x, _PLAIN)), None)
+        if stateful is not None:  # running it again would change that object twice (a KV cache)
+            _say_stateful(forward, stateful)
+            return forward(*args, **kwargs)
+        at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        params = [] if not isinstance(module, torch.nn.Module) else [
+            p for p in module.parameters() if p.requires_grad]
+        if not at:  # nothing to keep: torch's own checkpoint (its inputs are Python's)
+            rebuilt()
+            return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        call = _Call(forward, leaves, spec, at, len(params))
+        flat = _Rebuilt.apply(call, *[leaves[i] for i in at], *params)
+        rebuilt()
+        return call.output(flat)
 
     run.__hyperpar_recompute__ = True  # type: ignore[attr-defined]
     return run
+
+
+_PLAIN = (torch.Tensor, type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
+          torch.memory_format, torch.layout, enum.Enum)
+_said: set[tuple[str, str]] = set()
+
+
+def _say_stateful(forward: Callable[..., Any], obj: object) -> None:
+    owner = type(getattr(forward, "__self__", forward)).__name__
+    key = (owner, type(obj).__name__)
+    if key not in _said:
+        _said.add(key)
+        logger.warning("recompute: %s is called with a %s, which a second run in backward could change "
+                       "again (a cache it updates, say): that call keeps what it saves instead", *key)
+
+
+class RecomputeMismatchError(RuntimeError):
+    """A call run again in backward gave other outputs than in forward: its gradients would
+    be wrong, so backward stops here."""
+
+
+class _Call:
+    """One checkpointed call: how to run it again from its tensor inputs, and its output's
+    structure (tensors go through ``_Rebuilt``, anything else is handed back as it was)."""
+
+    def __init__(self, forward: Callable[..., Any], leaves: list[Any], spec: TreeSpec, at: list[int],
+                 n_params: int) -> None:
+        # the tensors come with each run (saved by autograd, not held here: a Python reference
+        # would keep their bytes where the fast path must free them)
+        held = list(leaves)
+        for i in at:
+            held[i] = None
+        self.forward, self.leaves, self.spec, self.at, self.n_params = forward, held, spec, at, n_params
+        self.out_leaves: list[Any] = []
+        self.out_spec: TreeSpec | None = None
+        self.out_at: list[int] = []
+
+    def call(self, tensors: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> list[torch.Tensor]:
+        leaves = list(self.leaves)
+        for i, t in zip(self.at, tensors, strict=True):
+            leaves[i] = t
+        args, kwargs = tree_unflatten(leaves, self.spec)
+        out_leaves, self.out_spec = tree_flatten(self.forward(*args, **kwargs))
+        self.out_at = [i for i, x in enumerate(out_leaves) if isinstance(x, torch.Tensor)]
+        self.out_leaves = [None if isinstance(x, torch.Tensor) else x for x in out_leaves]
+        return [out_leaves[i] for i in self.out_at]
+
+    def output(self, tensors: tuple[torch.Tensor, ...]) -> Any:
+        leaves = list(self.out_leaves)
+        for i, t in zip(self.out_at, tensors, strict=True):
+            leaves[i] = t
+        assert self.out_spec is not None
+        return tree_unflatten(leaves, self.out_spec)
+
+
+class _Rebuilt(torch.autograd.Function):
+    """A call run without keeping what it saves: its tensor inputs are saved through
+    autograd's saved-tensor hooks (so a session's fast path can offload them, and a write
+    to one since forward raises at backward, as for any saved tensor), and backward runs it
+    again from them with the random-number and autocast state forward had. The module's
+    parameters are inputs too, so their gradients flow as the call's own (``.backward()``
+    and ``torch.autograd.grad`` alike)."""
+
+    @staticmethod
+    def forward(ctx: Any, call: _Call, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
+        inputs = tensors[:len(tensors) - call.n_params]
+        ctx.call = call
+        ctx.rng = _RngState(inputs)
+        ctx.autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+                        for d in {t.device.type for t in inputs}]
+        with torch.no_grad():
+            outs = call.call(inputs)
+            ctx.sums = [_bytes_sum(o) for o in outs]
+        ctx.save_for_backward(*inputs)
+        ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # type: ignore[override]
+        call: _Call = ctx.call
+        inputs = ctx.saved_tensors
+        params = [p for p in call.forward.__self__.parameters() if p.requires_grad][:call.n_params] \
+            if call.n_params else []
+        again = [x.detach().requires_grad_(x.requires_grad) for x in inputs]
+        with ctx.rng.restored(), torch.enable_grad(), contextlib.ExitStack() as stack:
+            for device, enabled, dtype in ctx.autocast:
+                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+            outs = call.call(again)
+        with torch.no_grad():
+            for k, (o, before) in enumerate(zip(outs, ctx.sums, strict=True)):
+                if not torch.equal(_bytes_sum(o), before):
+                    owner = type(call.forward.__self__).__name__
+                    raise RecomputeMismatchError(
+                        f"recompute: {owner} run again in backward gave another output {k} than in forward "
+                        f"(its forward depends on state it changes, or is not deterministic): its gradients "
+                        f"would be wrong; use OffloadConfig(recompute='off') for this model")
+        pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad and g is not None]
+        wrt = [x for x in again if x.requires_grad] + params
+        got = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+                   if pairs and wrt else [None] * len(wrt))
+        return (None, *[next(got) if x.requires_grad else None for x in again], *[next(got) for _ in params])
+
+
+def _bytes_sum(t: torch.Tensor) -> torch.Tensor:
+    """A sum of the tensor's bytes as integers: equal for equal bytes, and a changed value
+    changes it (one reduction, no copy kept)."""
+    flat = t.detach().contiguous().reshape(-1)
+    raw = flat.view(torch.uint8) if flat.element_size() == 1 else flat.view(
+        {2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
+    return raw.sum(dtype=torch.int64)
+
+
+class _RngState:
+    """The random-number state a call saw, CPU and every device its inputs are on."""
+
+    def __init__(self, inputs: tuple[torch.Tensor, ...]) -> None:
+        self.cpu = torch.get_rng_state()
+        self.devices, self.states = get_device_states(*inputs)
+
+    @contextmanager
+    def restored(self) -> Iterator[None]:
+        with torch.random.fork_rng(devices=self.devices):
+            torch.set_rng_state(self.cpu)
+            if self.devices:
+                set_device_states(self.devices, self.states)
+            yield
 
 
 def _is_wrapped(fn: Any) -> bool:

@@ -93,9 +93,12 @@ class EventLog:
 
     def unmovable(self, sids: frozenset[int]) -> frozenset[int]:
         """Of ``sids``, the storages the fast path can never move: those no saved tensor held
-        (it sees no event of theirs), and those Python held past forward (it cannot free them).
+        in forward (it sees no event of theirs there: backward's own, or a rebuilt call's saved
+        in backward), and those Python held past forward (it cannot free them).
         A plan with these pinned is the fast path's best; its floor is the fast-path floor."""
-        saved = {sid for sid in self.slot_sid.values() if sid >= 0}
+        first_unpack = next((e for e, u in enumerate(self.unpack) if u), len(self.unpack))
+        forward = set(self.slot[:first_unpack])  # saved in backward (a rebuilt call): not movable there
+        saved = {sid for slot, sid in self.slot_sid.items() if sid >= 0 and slot in forward}
         return frozenset(sids - saved) | (frozenset(self.slot_sid[slot] for slot in self.held) & sids)
 
     def held_reads(self, movable: frozenset[int]) -> tuple[np.ndarray, np.ndarray]:
