@@ -13,7 +13,6 @@ lets it (warmup, one checked replay, fast).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import sys
 from pathlib import Path
@@ -28,23 +27,6 @@ from hyperpar.bench.result_file import provenance
 
 LETTER = {None: "W", "checked": "C", "fallback": "B", "fast": "F"}
 FAMILIES = ("hf-llama", "hf-gpt2", "hf-mixtral", "hf-t5", "tiny-ops")
-
-
-def _t5() -> host_cost.Workload:
-    import transformers
-
-    torch.manual_seed(0)
-    model = transformers.T5ForConditionalGeneration(transformers.T5Config(
-        vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
-        decoder_start_token_id=0, pad_token_id=0))
-    ids = torch.randint(1, 256, (2, 64), generator=torch.Generator().manual_seed(1))
-
-    def run(ctx: Any) -> None:
-        model.zero_grad(set_to_none=True)
-        with ctx() if ctx is not None else contextlib.nullcontext():
-            model(input_ids=ids, labels=ids).loss.backward()
-
-    return host_cost.Workload("hf-t5", run)
 
 
 FAST_FLOOR = "fast_floor_105%"  # the cell 5 % above the fast-path floor
@@ -95,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     fractions: list[float | None] = [*args.fractions, None]
     cells = [(f, x) for f in args.families for x in fractions]
     for family, fraction in tqdm(cells, desc="family x budget"):
-        w = _t5() if family == "hf-t5" else host_cost.build(family, False, args.tiny_layers)
+        w = host_cost.build(family, False, args.tiny_layers)
         key = FAST_FLOOR if fraction is None else f"{round(fraction * 100)}%"
         results.setdefault(family, {})[key] = paths(w, fraction, args.steps)
     print("| family | " + " | ".join(f"{round(x * 100)} %" for x in args.fractions)

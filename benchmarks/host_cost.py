@@ -44,8 +44,9 @@ from hyperpar.bench.result_file import provenance
 from hyperpar.offload import OffloadConfig, OffloadSession
 
 MIB = 1 << 20
-WORKLOADS = ("hf-llama", "tiny-ops", "hf-gpt2", "hf-mixtral")
+WORKLOADS = ("hf-llama", "tiny-ops", "hf-gpt2", "hf-mixtral", "hf-t5")
 BUDGETS = (1.0, 0.5, 0.2)
+FAST_FLOOR = "replay_fastfloor"  # replay at 1.05x the fast-path floor
 Ctx = Callable[[], contextlib.AbstractContextManager[Any]]
 
 
@@ -92,6 +93,8 @@ def build(name: str, quick: bool, tiny_layers: int) -> Workload:
                 p.grad = None
 
         return Workload(name, tiny)
+    if name == "hf-t5":
+        return _t5(quick)
     model = _hf_model(name, 1 if quick else 4)
     ids = torch.randint(0, 256, (2, 16 if quick else 64), generator=torch.Generator().manual_seed(1))
 
@@ -101,6 +104,33 @@ def build(name: str, quick: bool, tiny_layers: int) -> Workload:
             model(input_ids=ids, labels=ids).loss.backward()
 
     return Workload(name, hf)
+
+
+def _t5(quick: bool) -> Workload:
+    """An encoder-decoder: HF T5, two layers each side (one with ``quick``)."""
+    import transformers
+
+    torch.manual_seed(0)
+    layers = 1 if quick else 2
+    model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=layers, num_decoder_layers=layers,
+        num_heads=4, decoder_start_token_id=0, pad_token_id=0))
+    ids = torch.randint(1, 256, (2, 16 if quick else 64), generator=torch.Generator().manual_seed(1))
+
+    def run(ctx: Ctx | None) -> None:
+        model.zero_grad(set_to_none=True)
+        with ctx() if ctx is not None else contextlib.nullcontext():
+            model(input_ids=ids, labels=ids).loss.backward()
+
+    return Workload("hf-t5", run)
+
+
+def _fast_floor(w: Workload, peak: int) -> int | None:
+    """The fast-path floor a session at half the peak reports from its checked replay."""
+    half = _session(peak * 0.5)
+    for _ in range(2):
+        w.run(_fixed(half))
+    return None if half.last_report is None else half.last_report.fast_path_floor_bytes
 
 
 def _cpu(w: Workload, ctx: Ctx | None) -> float:
@@ -153,6 +183,9 @@ def measure(w: Workload, reps: int, warmup_reps: int) -> dict[str, Any]:
     """Replay at each budget and warmup at 50 %, over plain, for one step."""
     ops, peak = probe(w)
     sessions = {f"replay_{round(f * 100)}": _session(peak * f) for f in BUDGETS}
+    fast_floor = _fast_floor(w, peak)
+    if fast_floor is not None:  # 5 % above it: the tightest budget the fast path is promised at
+        sessions[FAST_FLOOR] = _session(fast_floor * 1.05)
     for session in sessions.values():
         for step in range(12):  # warmup, then replays until the fast path (or 12 steps): the
             w.run(_fixed(session))  # timed steps are steady replays
@@ -175,7 +208,8 @@ def measure(w: Workload, reps: int, warmup_reps: int) -> dict[str, Any]:
         warm.append(_cpu(w, _fixed(fresh)) / p)
         assert fresh.last_report is not None and fresh.last_report.phase == "warmup", w.name
     plain += warm_plain
-    return {"ops": ops, "peak_bytes": peak, "plain_cpu_ms": _spread([p * 1e3 for p in plain]),
+    return {"ops": ops, "peak_bytes": peak, "fast_path_floor_bytes": fast_floor,
+            "plain_cpu_ms": _spread([p * 1e3 for p in plain]),
            "plain_us_per_op": statistics.median(plain) * 1e6 / ops, "replay_reports": floors,
            "over_plain": {**{k: _spread(v) for k, v in ratios.items()}, "warmup_50": _spread(warm)}}
 
@@ -339,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         w = build(name, args.quick, args.tiny_layers)
         results[name] = measure_mechanisms(w, reps) if args.mechanisms else measure(w, reps, warmup_reps)
         print(f"{name}: {results[name]['ops']} ops done", flush=True)
-    phases = [f"replay_{round(f * 100)}" for f in BUDGETS] + ["warmup_50"]
+    phases = [f"replay_{round(f * 100)}" for f in BUDGETS] + [FAST_FLOOR, "warmup_50"]
     columns = list(MECHANISMS) if args.mechanisms else phases
     text = table(results, columns)
     print(text)

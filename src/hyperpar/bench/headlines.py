@@ -276,11 +276,13 @@ def host_cost(doc: dict[str, Any]) -> list[Figure]:
         if step not in steps:
             continue
         for col, phase, goal in (("replay_100", "replay", None), ("replay_50", "replay", replay_goal),
+                                 ("replay_fastfloor", "replay", replay_goal),
                                  ("warmup_50", "warmup", "<= 3")):
             if col not in steps[step].get("over_plain", {}):
                 continue
             pct = col.rsplit("_", 1)[1]
-            what = f"{step} ({steps[step]['ops']:,} ops): {phase} at {pct}% of the peak, CPU / plain"
+            at = "1.05x its fast-path floor" if pct == "fastfloor" else f"{pct}% of the peak"
+            what = f"{step} ({steps[step]['ops']:,} ops): {phase} at {at}, CPU / plain"
             figs.append(_over_plain(step, steps[step], col, what, page, goal))
     return figs
 
