@@ -32,11 +32,14 @@ def test_host_cost_quick_writes_table_headline_and_profiles(tmp_path: Path) -> N
     doc = json.loads(out.read_text())
     assert set(doc["steps"]) == {"hf-llama", "tiny-ops"}
     for step in doc["steps"].values():
-        assert set(step["over_plain"]) == {"replay_100", "replay_50", "replay_20", "warmup_50"}
+        assert set(step["over_plain"]) == {"replay_100", "replay_50", "replay_20", "replay_fastfloor",
+                                           "warmup_50"}
+        assert step["fast_path_floor_bytes"] > 0  # what the fastfloor column's budget was made from
         assert all(s["min"] <= s["median"] <= s["max"] for s in step["over_plain"].values())
         assert step["replay_reports"]["replay_100"]["bytes_d2h"] == 0
     names = {f["name"] for f in doc["headline"]}
     assert "hf-llama_replay_50_over_plain" in names and "tiny-ops_warmup_50_over_plain" in names
+    assert "hf-llama_replay_fastfloor_over_plain" in names
     assert doc["provenance"]["load_average"]["end"] is not None and "| hf-llama |" in doc["table"]
 
     mech = tmp_path / "mech.json"
