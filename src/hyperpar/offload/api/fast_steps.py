@@ -244,9 +244,7 @@ class FastSteps:
     def _fast_floor(self, plan: Plan, events: EventLog) -> None:
         """The plan's floor with every storage the fast path cannot move pinned, and a word
         (once a session) where the budget lies between the two floors."""
-        packed = plan.packed
-        pinned = packed.pinned_sids | events.unmovable(frozenset(packed.storage_sizes()))
-        trace, _, arrays = self._fast_trace(plan, pinned, events)
+        trace, _, arrays = self._fast_trace(plan, plan.packed.pinned_sids | _unmovable(plan, events), events)
         with arrays_given(trace, arrays):
             plan.fast_floor = budget_floor(trace)
         general = plan.floor
@@ -277,7 +275,7 @@ class FastSteps:
             plan.fast_refusal = schedule.why
             keep = schedule.sids
             if not schedule.advisory:  # all the fast path can never move at once: one re-plan, not many
-                keep = keep | events.unmovable(frozenset(plan.packed.storage_sizes()))
+                keep = keep | _unmovable(plan, events)
             refined = self._refine(plan, keep, final=not schedule.advisory, events=events)
             if refined is None and schedule.advisory:
                 # keeping what Python held does not fit: run fast anyway, as before this look
@@ -348,3 +346,8 @@ class FastSteps:
 
         return EventLog(lambda: executor.index, lambda st: sid_of.get(id(st), -1), nbytes.__getitem__, settle,
                         watch=True)
+
+
+def _unmovable(plan: Plan, events: EventLog) -> frozenset[int]:
+    """The storages of ``plan``'s trace the fast path can never move (``EventLog.unmovable``)."""
+    return events.unmovable(frozenset(plan.packed.storage_sizes()))

@@ -44,6 +44,14 @@ class RecomputeSteps:
     _recompute_applied: bool  # the running (or last) step ran with the chosen calls checkpointed
     _want_spans: bool  # the next checked replay records module calls for the choice
 
+    def _recompute_init(self) -> None:
+        self._recompute = None  # module calls rebuilt in backward, chosen once
+        self._recompute_choice = None
+        self._module_spans = None
+        self._recompute_stack = None
+        self._recompute_applied = False
+        self._want_spans = False
+
     def _recompute_enter(self, executor: ExecutorBase | None) -> None:
         """At a step's start: the chosen calls checkpointed; on the checked replay the choice
         waits for, its module calls recorded."""

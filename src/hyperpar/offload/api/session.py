@@ -50,7 +50,6 @@ from hyperpar.offload.capture import (
 )
 from hyperpar.offload.capture.fast.fast_replay import FallbackExecutor
 from hyperpar.offload.capture.fast.saved_tensor_guard import SavedTensorGuard
-from hyperpar.offload.capture.tracing.module_spans import ModuleSpans
 from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
 from hyperpar.offload.ir.packed import PackedTrace
 from hyperpar.offload.ir.packed_schedule import PackedSchedule
@@ -65,7 +64,6 @@ from hyperpar.offload.planning.arrays import (
 )
 from hyperpar.offload.planning.deficit_warnings import deficit_warnings_muted
 from hyperpar.offload.planning.floor import BudgetFloor, budget_floor
-from hyperpar.offload.planning.levers import RecomputeChoice
 from hyperpar.offload.planning.simulate import SimResult
 from hyperpar.offload.planning.tails import plan_with_tails
 from hyperpar.offload.runtime import (
@@ -77,7 +75,6 @@ from hyperpar.offload.runtime import (
     make_copy_engine,
     probe_link,
 )
-from hyperpar.offload.runtime.recompute_regions import RecomputeRegions
 
 logger = logging.getLogger(__name__)
 
@@ -119,12 +116,7 @@ class OffloadSession(FastSteps, RecomputeSteps):
         self._budget_bytes = config.budget_bytes  # max_resident_fraction: resolved at the first trace
         self._said_below_floor = False
         self._said_below_fast_floor = False
-        self._recompute: RecomputeRegions | None = None  # module calls rebuilt in backward, chosen once
-        self._recompute_choice: RecomputeChoice | None = None
-        self._module_spans: ModuleSpans | None = None
-        self._recompute_stack: contextlib.ExitStack | None = None
-        self._recompute_applied = False
-        self._want_spans = False
+        self._recompute_init()
         self._hooks_held = False
         self._bind_device(config.resolved_device())
 

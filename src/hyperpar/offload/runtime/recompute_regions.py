@@ -1,18 +1,16 @@
-"""Recompute, executed: the module calls a plan rebuilds in backward run under torch's own
-non-reentrant checkpoint while a step runs.
+"""Recompute, executed: the module calls a plan rebuilds in backward, while a step runs.
 
-The plan names module instances (the calls warmup saw); for the step their ``forward`` is
-replaced on the instance by one that calls the original through
-``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, and put back when the step
-ends, however it ends. Nothing the module saves for backward is kept: its inputs are, and in
-backward the call runs again with the random-number state and autocast state it saw
-(``preserve_rng_state``), so a rebuilt tensor is bitwise the one forward made, and torch
-checks that every tensor it rebuilds has the shape and dtype it had. A recipe input changed
-in place since forward is caught by autograd's version counter on the saved input, as for
-any saved tensor. Why torch's checkpoint and not our own recipes: it is the mechanism users
-already trust (HF ``gradient_checkpointing``, torchtitan), it replays RNG and autocast, and a
-recomputing call shows our dispatch mode its ops like any others, so the plan that offloads
-the rest is made on a trace of the step as it really runs.
+The plan names module instances (the calls a checked replay saw); for the step their
+``forward`` is replaced on the instance, and put back when the step ends, however it ends.
+Each call then runs as one autograd Function (``_Rebuilt``): forward without keeping what it
+saves, its tensor inputs saved through autograd's saved-tensor hooks (a session's fast path
+sees them as saved tensors and can offload them; a write to one since forward raises at
+backward, as for any saved tensor), and in backward it runs again from them with the
+random-number and autocast state forward had, so a rebuilt tensor is bitwise the one forward
+made. Two guards keep a second run honest: a call handed an object it could change (a KV
+cache) is not rebuilt, and every rebuilt output is checked against its forward bytes.
+Torch's non-reentrant checkpoint, the first version, keeps the inputs in a Python closure
+that only the dispatch mode can move; it still runs a call with no tensor input.
 """
 
 from __future__ import annotations
@@ -44,9 +42,6 @@ class RecomputeRegions:
         self.names = [type(m).__name__ for m in modules]
         self.step_bytes = 0  # of the running (or last) step: the calls it did rebuild
 
-    def __len__(self) -> int:
-        return sum(1 for ref in self._modules if ref() is not None)
-
     @contextmanager
     def applied(self) -> Iterator[None]:
         """For one step: each module's calls checkpointed; the original ``forward`` back after
@@ -59,7 +54,8 @@ class RecomputeRegions:
                 if module is None or _is_wrapped(module.forward):
                     continue
                 before = module.__dict__.get("forward", _ABSENT)
-                module.forward = _checkpointed(module.forward, functools.partial(self._rebuilt, nbytes))  # type: ignore[method-assign]
+                rebuilt = functools.partial(self._rebuilt, nbytes)
+                module.forward = _checkpointed(module.forward, rebuilt)  # type: ignore[method-assign]
                 patched.append((module, before))
             yield
         finally:
@@ -68,7 +64,6 @@ class RecomputeRegions:
                     del module.forward
                 else:
                     module.forward = before  # type: ignore[method-assign]
-
 
     def _rebuilt(self, nbytes: int) -> None:
         self.step_bytes += nbytes
@@ -94,7 +89,7 @@ def _checkpointed(forward: Callable[..., Any], rebuilt: Callable[[], None]) -> C
         if not at:  # nothing to keep: torch's own checkpoint (its inputs are Python's)
             rebuilt()
             return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
-        call = _Call(forward, leaves, spec, at, len(params))
+        call = _Call(forward, leaves, spec, at, params)
         flat = _Rebuilt.apply(call, *[leaves[i] for i in at], *params)
         rebuilt()
         return call.output(flat)
@@ -127,13 +122,14 @@ class _Call:
     structure (tensors go through ``_Rebuilt``, anything else is handed back as it was)."""
 
     def __init__(self, forward: Callable[..., Any], leaves: list[Any], spec: TreeSpec, at: list[int],
-                 n_params: int) -> None:
+                 params: list[torch.Tensor]) -> None:
         # the tensors come with each run (saved by autograd, not held here: a Python reference
         # would keep their bytes where the fast path must free them)
         held = list(leaves)
         for i in at:
             held[i] = None
-        self.forward, self.leaves, self.spec, self.at, self.n_params = forward, held, spec, at, n_params
+        self.forward, self.leaves, self.spec, self.at = forward, held, spec, at
+        self.params = params  # the module's, requiring grad: inputs of the call after its tensors
         self.out_leaves: list[Any] = []
         self.out_spec: TreeSpec | None = None
         self.out_at: list[int] = []
@@ -166,7 +162,7 @@ class _Rebuilt(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, call: _Call, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
-        inputs = tensors[:len(tensors) - call.n_params]
+        inputs = tensors[:len(tensors) - len(call.params)]
         ctx.call = call
         ctx.rng = _RngState(inputs)
         ctx.autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
@@ -182,8 +178,7 @@ class _Rebuilt(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # type: ignore[override]
         call: _Call = ctx.call
         inputs = ctx.saved_tensors
-        params = [p for p in call.forward.__self__.parameters() if p.requires_grad][:call.n_params] \
-            if call.n_params else []
+        params = call.params
         again = [x.detach().requires_grad_(x.requires_grad) for x in inputs]
         with ctx.rng.restored(), torch.enable_grad(), contextlib.ExitStack() as stack:
             for device, enabled, dtype in ctx.autocast:
@@ -207,9 +202,9 @@ class _Rebuilt(torch.autograd.Function):
 def _bytes_sum(t: torch.Tensor) -> torch.Tensor:
     """A sum of the tensor's bytes as integers: equal for equal bytes, and a changed value
     changes it (one reduction, no copy kept)."""
-    flat = t.detach().contiguous().reshape(-1)
-    raw = flat.view(torch.uint8) if flat.element_size() == 1 else flat.view(
-        {2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
+    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    if raw.numel() % 4 == 0:  # 4-byte words where the size allows (any dtype: complex, float8)
+        raw = raw.view(torch.int32)
     return raw.sum(dtype=torch.int64)
 
 

@@ -45,20 +45,11 @@ class RecomputeChoice:
     regions: list[Region] = field(default_factory=list)
     why: str = ""
 
-    @property
-    def freed_bytes(self) -> int:
-        return sum(r.freed_bytes for r in self.regions)
-
-    @property
-    def recompute_ms(self) -> float:
-        return sum(r.recompute_ms for r in self.regions)
-
 
 def regions_of(arrays: TraceArrays, calls: list[tuple[int, int, int, int]], d2h_gbps: float,
                h2d_gbps: float) -> list[Region]:
-    """Regions from module calls ``(key, first op, end op, depth)`` of the step's forward
-    (the ops before the first op no call covers... are forward; backward starts after the
-    last call ends)."""
+    """Regions from module calls ``(key, first op, end op, depth)`` of the step's forward;
+    backward is taken to start where the last call ends."""
     if not calls:
         return []
     forward_end = max(end for _, _, end, _ in calls)
