@@ -3,14 +3,18 @@ it, and a budget given as a fraction of the measured peak."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from hyperpar.models import GPT, GPTConfig, random_batch
 from hyperpar.offload import OffloadConfig, OffloadSession, StepReport
+from hyperpar.offload.ir import ActivationTrace
+from hyperpar.offload.planning import simulate
 from hyperpar.offload.planning.floor import budget_floor
 
 BELOW = "below the feasible floor"
@@ -77,16 +81,76 @@ def test_a_budget_at_the_floor_says_nothing(caplog: pytest.LogCaptureFixture) ->
     assert reports[-1].min_feasible_budget_bytes == floor <= reports[-1].budget_bytes
 
 
+def _kept_and_movable_peak(trace: ActivationTrace) -> tuple[int, int]:
+    """Independently of planning: the retained storages' bytes and the others' peak."""
+    lifetimes = trace.lifetimes()
+    kept = sum(trace.storage_sizes[sid] for sid in trace.retained_sids if sid in lifetimes)
+    alive = [0] * (trace.num_ops + 1)
+    for sid, (lo, hi) in lifetimes.items():
+        if sid not in trace.retained_sids:
+            alive[lo] += trace.storage_sizes[sid]
+            alive[hi + 1] -= trace.storage_sizes[sid]
+    return kept, max(itertools.accumulate(alive[:-1]), default=0)
+
+
 def test_fraction_budget_is_resolved_from_the_first_trace_and_keeps_gradients() -> None:
     session = OffloadSession(OffloadConfig(max_resident_fraction=0.75))
     reports, grads = _steps(session, 3)
     _, plain = _steps(None, 3)
-    assert session.trace is not None
-    budget = int(0.75 * session.trace.peak_bytes_without_offload())
+    assert session.trace is not None and session.schedule is not None
+    kept, movable_peak = _kept_and_movable_peak(session.trace)
+    assert kept > 0  # the parameter gradients, the loss
+    budget = int(0.75 * movable_peak) + kept
     assert reports[0].phase == "warmup" and reports[0].budget_bytes == OffloadConfig().budget_bytes
     assert [r.budget_bytes for r in reports[1:]] == [budget, budget]
-    assert session.trace.memory_limit_bytes == session.schedule.budget_bytes == budget
+    assert [(r.kept_bytes, r.movable_peak_bytes) for r in reports] == [(kept, movable_peak)] * 3
+    assert f"movable peak {movable_peak / (1 << 20):.1f} MiB" in str(reports[-1])
+    assert session.trace.memory_limit_bytes == budget
     assert reports[-1].phase == "replay" and reports[-1].bytes_d2h > 0
+    assert all(r.peak_resident_bytes <= budget for r in reports[1:])
+    assert all(torch.equal(a, b) for a, b in zip(grads, plain, strict=True))
+
+
+def test_a_fraction_holds_the_movable_bytes_at_every_op() -> None:
+    """The share is of the bytes a plan can move, at every op: with parameter gradients as
+    large as the activations, a budget of the whole peak (gradients counted as activations)
+    would let the forward keep everything; the plan must not."""
+    cfg = GPTConfig(vocab_size=512, seq_len=32, n_layer=2, n_head=2, d_model=64)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    x, y = random_batch(cfg, 1, torch.Generator().manual_seed(1), torch.device("cpu"))
+    session = OffloadSession(OffloadConfig(max_resident_fraction=0.5))
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        with session:
+            model.loss(x, y).backward()
+    trace, schedule = session.trace, session.schedule
+    assert trace is not None and schedule is not None
+    kept, movable_peak = _kept_and_movable_peak(trace)
+    assert kept > movable_peak // 2  # the case this test is for
+    unreserved = replace(trace, reserve_retained=False)
+    resident = simulate(unreserved, schedule).resident_bytes
+    retained_alive = [0] * (trace.num_ops + 1)
+    for sid, (lo, _) in unreserved.lifetimes().items():
+        if sid in trace.retained_sids:
+            retained_alive[lo] += trace.storage_sizes[sid]
+    movable = [r - k for r, k in zip(resident, itertools.accumulate(retained_alive[:-1]), strict=True)]
+    assert max(movable) <= int(0.5 * movable_peak) < movable_peak
+    assert session.last_report is not None and session.last_report.bytes_d2h > 0
+
+
+def test_a_budget_below_the_floor_gets_the_plan_for_the_floor() -> None:
+    """Not a plan chasing an unreachable budget: the same moves as at the floor itself."""
+    below = OffloadSession(OffloadConfig(max_resident_activation_mb=0))
+    low, grads = _steps(below, 2)
+    assert below.trace is not None
+    floor = budget_floor(below.trace).floor_bytes
+    at = OffloadSession(OffloadConfig(max_resident_activation_mb=floor / (1 << 20)))
+    at_floor, _ = _steps(at, 2)
+    assert low[-1].budget_bytes == 0 < floor == at_floor[-1].budget_bytes
+    assert (low[-1].bytes_d2h, low[-1].bytes_h2d) == (at_floor[-1].bytes_d2h, at_floor[-1].bytes_h2d)
+    assert low[-1].peak_resident_bytes == at_floor[-1].peak_resident_bytes
+    _, plain = _steps(None, 2)
     assert all(torch.equal(a, b) for a, b in zip(grads, plain, strict=True))
 
 
@@ -105,8 +169,9 @@ def test_bad_fraction_names_field_and_value(value: object, error: type[Exception
 
 
 def test_budget_for_peak() -> None:
-    assert OffloadConfig(max_resident_activation_mb=2).budget_for_peak(10**9) == 2 << 20
+    assert OffloadConfig(max_resident_activation_mb=2).budget_for_peak(10**9, 5) == 2 << 20
     assert OffloadConfig(max_resident_fraction=0.5).budget_for_peak(1001) == 500
+    assert OffloadConfig(max_resident_fraction=0.5).budget_for_peak(1001, 7) == 507
     assert OffloadConfig(max_resident_fraction=1).budget_for_peak(1001) == 1001
 
 
@@ -131,3 +196,23 @@ def test_warmup_and_replay_report_the_same_quantity(fraction: float) -> None:
     if fraction > 1:  # nothing moves: the very same bytes
         assert warmup.bytes_d2h == replay.bytes_d2h == 0
         assert warmup.peak_resident_bytes == replay.peak_resident_bytes == peak, (warmup, replay)
+
+
+def test_plan_for_a_device_plans_on_its_model_and_runs_here_bitwise() -> None:
+    """``plan_for="h100"``: the planner sees the op times and link of the h100 model (its
+    prediction is of that device), and the plan runs here with the same gradients."""
+    from hyperpar.offload.projection import HostCosts, device_op_ms, get_device
+
+    here = OffloadSession(OffloadConfig(max_resident_fraction=0.5))
+    _, grads_here = _steps(here, 3)
+    there = OffloadSession(OffloadConfig(max_resident_fraction=0.5, plan_for="h100"))
+    reports, grads_there = _steps(there, 3)
+    _, plain = _steps(None, 3)
+    assert there.trace is not None and here.trace is not None
+    device_ms = float(device_op_ms(there.trace, get_device("h100"), HostCosts().replay_us).sum())
+    predicted = reports[-1].predicted_step_ms
+    assert predicted is not None and device_ms * (1 - 1e-9) <= predicted < 2 * device_ms
+    assert here.last_report is not None and here.last_report.predicted_step_ms != predicted
+    assert reports[-1].bytes_d2h > 0 and all(r.peak_resident_bytes <= r.budget_bytes for r in reports[1:])
+    assert all(torch.equal(a, b) for a, b in zip(grads_there, plain, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(grads_here, plain, strict=True))

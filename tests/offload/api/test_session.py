@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 from torch import nn
 
 from hyperpar.offload import OffloadConfig, OffloadDivergenceError, OffloadSession, skip_offload
-from hyperpar.offload.ir import ResidencyActionType
+from hyperpar.offload.ir import ActivationTrace, ResidencyActionType, ResidencySchedule
+from hyperpar.offload.planning import get_planner
 
 
 def _mlp() -> nn.Module:
@@ -264,8 +266,14 @@ def test_stale_host_copy_is_never_brought_back(monkeypatch: pytest.MonkeyPatch) 
                 loss.backward()
         return loss.detach(), w.grad.clone()
 
+    class EvictEverything:
+        """Plans for budget 0 (a session plans a budget below the floor for the floor)."""
+
+        def build(self, trace: ActivationTrace) -> ResidencySchedule:
+            return get_planner("timed").build(dataclasses.replace(trace, memory_limit_bytes=0))
+
     expected = step(None)
-    session = OffloadSession(OffloadConfig(max_resident_activation_mb=0))
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=0, planner=EvictEverything()))
     for _ in range(4):
         got = step(session)
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])

@@ -63,7 +63,8 @@ def test_flex_attention_is_one_op_and_bitwise_equal() -> None:
     with session:
         FlexHead()(*_x(0)).sum().backward()
     assert [op.name for op in session.trace.ops].count("hop.flex_attention") == 1
-    assert reports[0.0][-1].bytes_d2h > 0
+    # warmup evicts around it (a replay plans for the floor, and the floor is the op itself)
+    assert reports[0.0][0].bytes_d2h > 0
 
 
 def test_flex_attention_backward_operator_is_one_op_and_bitwise_equal() -> None:

@@ -169,6 +169,12 @@ def simulate_reference(trace: ActivationTrace, schedule: ResidencySchedule) -> S
     for i in range(n):
         running += delta[i]
         resident.append(running)
+    if trace.reserve_retained:  # the budget holds retained storages' bytes before they exist
+        lifetimes = trace.lifetimes()
+        for sid in trace.retained_sids:
+            if sid in lifetimes:
+                for i in range(lifetimes[sid][0]):
+                    resident[i] += sizes.get(sid, 0)
     peak = max(resident, default=0)
     step = max(clock, d2h_free, h2d_free)
     return SimResult(

@@ -50,8 +50,10 @@ class OffloadConfig:
     # a debug option) | an engine object (tests)
     copy_engine: Any = "auto"
     timeline: bool = False  # record replay op times for export_chrome_trace (costs ~2 us per op)
-    # Budget as a fraction of the activation peak the first warmup measures (the trace's peak
-    # without offload); that first step runs under max_resident_activation_mb. None: off.
+    # Budget as a fraction of the movable activation peak the first warmup measures (the peak
+    # of bytes not kept past the step, without offload), plus the kept bytes (parameter
+    # gradients, the loss, outputs) beside it; that first step runs under
+    # max_resident_activation_mb. None: off.
     max_resident_fraction: float | None = None
     # A step whose plan moves nothing runs without the dispatch mode once a checked replay of
     # it ran clean (saved tensors fingerprinted instead; see capture/fast/fast_replay.py)
@@ -62,8 +64,8 @@ class OffloadConfig:
     # traced again, and the fast path copies out in forward only) never
     recompute: str = "off"
     # Plan for another device than the one the session runs on: "h100", "h200", "a100" (the
-    # models of ``hyperpar.offload.projection``); None plans on the times measured here. So
-    # far the recompute choice uses it; the offload plan still uses the measured times.
+    # models of ``hyperpar.offload.projection``), for the recompute choice and the offload
+    # plan alike; None plans on the times measured here. The plan runs here unchanged.
     plan_for: str | None = None
 
     def __post_init__(self) -> None:
@@ -131,11 +133,15 @@ class OffloadConfig:
     def budget_bytes(self) -> int:
         return int(self.max_resident_activation_mb * MIB)
 
-    def budget_for_peak(self, peak_bytes: int) -> int:
-        """The budget once a peak is measured: the fraction of it when one is set."""
+    def budget_for_peak(self, movable_peak_bytes: int, kept_bytes: int = 0) -> int:
+        """The budget once the first step is measured: with a fraction, that share of the
+        movable activation peak (bytes not kept past the step) plus the bytes the step keeps
+        (parameter gradients, the loss, outputs: they stay whatever the plan), held for the
+        whole step (``ActivationTrace.reserve_retained``) so the movable bytes alone keep the
+        share at every op."""
         if self.max_resident_fraction is None:
             return self.budget_bytes
-        return max(1, int(peak_bytes * self.max_resident_fraction))
+        return max(1, int(movable_peak_bytes * self.max_resident_fraction)) + kept_bytes
 
     @property
     def offload_cap_bytes(self) -> int:

@@ -49,10 +49,14 @@ class Plan:
     # the floor with every storage the fast path cannot move pinned (from the first checked
     # replay's saved-tensor events): budgets at or above it can run fast
     fast_floor: BudgetFloor | None = None
+    kept_bytes: int = 0  # retained after the step (parameter gradients, the loss, outputs)
+    movable_peak_bytes: int = 0  # the peak of the rest, without offload
 
     def annotate(self, report: StepReport) -> None:
-        """The report's floors: the general one and, once known, the fast path's."""
+        """The report's floors (the general one and, once known, the fast path's) and the
+        peak they are shares of, with the kept bytes beside it."""
         self.floor.annotate(report)
+        report.kept_bytes, report.movable_peak_bytes = self.kept_bytes, self.movable_peak_bytes
         if self.fast_floor is not None:
             report.fast_path_floor_bytes = self.fast_floor.floor_bytes
 

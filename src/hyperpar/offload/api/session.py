@@ -59,8 +59,8 @@ from hyperpar.offload.planning import gc_pause
 from hyperpar.offload.planning.arrays import (
     TraceArrays,
     arrays_given,
+    kept_and_movable_peak,
     packed_trace_arrays,
-    resident_without_offload,
 )
 from hyperpar.offload.planning.deficit_warnings import deficit_warnings_muted
 from hyperpar.offload.planning.floor import BudgetFloor, budget_floor
@@ -346,11 +346,12 @@ class OffloadSession(FastSteps, RecomputeSteps):
                 packed = None if trace is None else PackedTrace(trace)
             keys = executor.keys
             if trace is not None and packed is not None:
+                if self.config.max_resident_fraction is not None:  # a budget on the movable bytes
+                    trace.reserve_retained = packed.reserve_retained = True
                 arrays = packed_trace_arrays(trace, packed)
                 if self.config.max_resident_fraction is not None and not self._structures:
-                    resident = resident_without_offload(arrays)
-                    peak = int(resident.max()) if len(resident) else 0
-                    self._budget_bytes = self.config.budget_for_peak(peak)
+                    kept, movable_peak = kept_and_movable_peak(arrays, trace.retained_sids)
+                    self._budget_bytes = self.config.budget_for_peak(movable_peak, kept)
                     trace.memory_limit_bytes = packed.memory_limit_bytes = self._budget_bytes
         if isinstance(executor, ReplayExecutor):
             assert self._running is not None
@@ -372,13 +373,12 @@ class OffloadSession(FastSteps, RecomputeSteps):
         self._structures[plan.signature].last = plan
         self._learn(plan.signature)
         self._current = plan
+        plan.annotate(report)
         if trace is None and report.peak_resident_bytes > report.budget_bytes:
             # over budget: say whether the budget was feasible at this step's own sizes (its
             # plan may be another size's, or the larger of two sizes at each storage)
             assert isinstance(executor, ReplayExecutor)
             self._measured_floor(executor, plan).annotate(report)
-        else:
-            plan.annotate(report)
         if isinstance(executor, WarmupExecutor) and trace is not None and arrays is not None:
             self._recompute_gate(trace, arrays, plan.predicted_ms, bool(plan.program.region_accesses))
         elif self._module_spans is not None and isinstance(executor, ReplayExecutor):
@@ -478,17 +478,47 @@ class OffloadSession(FastSteps, RecomputeSteps):
                 schedule = self.config.resolved_planner().build(trace)
                 return schedule, kept_simulation(sims, schedule) or simulate(trace, schedule)
 
-        # the plan's trace may mark tails; ``packed`` keeps the recorded one
+        # Below the floor, plan for the floor: a planner chasing an unreachable budget moves
+        # more than any step needs and waits for it (its peak can pass the unplanned one).
+        # The plan's trace may mark tails; ``packed`` keeps the recorded one.
+        # With ``plan_for``, the planner sees the op times and link of that device's model.
+        recorded = trace
+        planned, plan_arrays = self._for_device(trace, arrays)
+        if below_floor:
+            planned = replace(planned, memory_limit_bytes=floor.floor_bytes)
         with deficit_warnings_muted() if below_floor or quiet else contextlib.nullcontext():
-            trace, schedule, sim = plan_with_tails(trace, arrays, plan_once)
+            planned, schedule, sim = plan_with_tails(planned, plan_arrays, plan_once)
+        if planned is not recorded:  # the plan's trace: tails marked, the budget and link as given
+            trace = replace(planned, memory_limit_bytes=recorded.memory_limit_bytes,
+                            d2h_bandwidth_gbps=recorded.d2h_bandwidth_gbps,
+                            h2d_bandwidth_gbps=recorded.h2d_bandwidth_gbps)
         predicted = schedule.notes.get("predicted_step_ms")
         if not isinstance(predicted, (int, float)) or isinstance(predicted, bool):
             predicted = sim.predicted_step_ms
         packed_schedule = PackedSchedule(schedule)
-        program = ReplayProgram.build(trace, schedule, keys, sim.resident_bytes, structure, packed,
+        resident = sim.resident_bytes  # the device's bytes, without the budget's reserve
+        if arrays.reserve_bytes is not None:
+            resident = (np.asarray(resident, dtype=np.int64) - arrays.reserve_bytes).tolist()
+        program = ReplayProgram.build(trace, schedule, keys, resident, structure, packed,
                                       packed_schedule, floor.floor_bytes)
+        kept, movable_peak = kept_and_movable_peak(arrays, trace.retained_sids)
         return Plan(signature, packed, packed_schedule, program, float(predicted),
-                     sum(trace.storage_sizes.values()), floor)
+                     sum(trace.storage_sizes.values()), floor, kept_bytes=kept,
+                     movable_peak_bytes=movable_peak)
+
+    def _for_device(self, trace: ActivationTrace, arrays: TraceArrays) -> tuple[ActivationTrace, TraceArrays]:
+        """The trace and arrays the planner sees: as measured, or with ``plan_for`` set, each
+        op's time on that device's model (its roofline time, at least the replay's host cost
+        per op) and that device's link, so the plan is the one that device would run (the
+        same ops and storages: it runs here unchanged, bitwise)."""
+        if self.config.plan_for is None:
+            return trace, arrays
+        from hyperpar.offload.projection import HostCosts, device_op_ms, get_device  # beside planning
+
+        device = get_device(self.config.plan_for)
+        durations = device_op_ms(trace, device, HostCosts().replay_us)
+        return (replace(trace, d2h_bandwidth_gbps=device.link_gbps, h2d_bandwidth_gbps=device.link_gbps),
+                replace(arrays, duration_ms=durations))
 
     def _learn(self, signature: int) -> None:
         if self._came_from is not None and self._came_from in self._structures:

@@ -139,8 +139,8 @@ class PackedTrace:
     """A trace as a shared ``TraceStructure`` plus its own sizes, durations and sets."""
 
     __slots__ = ("__weakref__", "_unpacked", "d2h_bandwidth_gbps", "death_op", "death_sid", "duration_ms",
-                 "h2d_bandwidth_gbps", "memory_limit_bytes", "pinned_sids", "retained_sids", "size_bytes",
-                 "size_sid", "structure", "tail_sids")
+                 "h2d_bandwidth_gbps", "memory_limit_bytes", "pinned_sids", "reserve_retained",
+                 "retained_sids", "size_bytes", "size_sid", "structure", "tail_sids")
 
     def __init__(self, trace: ActivationTrace, like: PackedTrace | None = None) -> None:
         self.duration_ms = array("d")
@@ -148,6 +148,7 @@ class PackedTrace:
         self.size_sid = array("q", trace.storage_sizes.keys())
         self.size_bytes = array("q", trace.storage_sizes.values())
         self.retained_sids = trace.retained_sids
+        self.reserve_retained = trace.reserve_retained
         self.pinned_sids = trace.pinned_sids
         self.death_sid = array("q", trace.death_ops.keys())
         self.death_op = array("q", trace.death_ops.values())
@@ -167,6 +168,7 @@ class PackedTrace:
         self.structure, self.duration_ms = structure, duration_ms
         self.size_sid, self.size_bytes = size_sid, size_bytes
         self.retained_sids, self.pinned_sids = retained_sids, pinned_sids
+        self.reserve_retained = False  # the session decides (``ActivationTrace.reserve_retained``)
         self.death_sid, self.death_op = death_sid, death_op
         self.tail_sids: frozenset[int] = frozenset()  # a recording marks none (planning does)
         self.memory_limit_bytes = memory_limit_bytes
@@ -207,7 +209,7 @@ class PackedTrace:
                 h2d_bandwidth_gbps=self.h2d_bandwidth_gbps, guides=self.guides(),
                 pinned_sids=self.pinned_sids,
                 death_ops=dict(zip(self.death_sid, self.death_op, strict=True)),
-                tail_sids=self.tail_sids,
+                tail_sids=self.tail_sids, reserve_retained=self.reserve_retained,
             )
             self._unpacked = weakref.ref(trace)
         return trace

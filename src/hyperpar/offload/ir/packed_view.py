@@ -79,7 +79,7 @@ def trace_view(packed: PackedTrace) -> ActivationTrace:
         h2d_bandwidth_gbps=packed.h2d_bandwidth_gbps,
         guides=LazyList(n if st.has_guides else 0, lambda i: _guide(st, i), packed.guides),  # type: ignore[arg-type]
         pinned_sids=packed.pinned_sids, death_ops=dict(zip(packed.death_sid, packed.death_op, strict=True)),
-        tail_sids=packed.tail_sids,
+        tail_sids=packed.tail_sids, reserve_retained=packed.reserve_retained,
     )
 
 

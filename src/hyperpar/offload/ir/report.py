@@ -51,6 +51,11 @@ class StepReport:
     # Bytes the step's checkpointed module calls did not keep for backward (rebuilt there
     # instead), as the plan counted them on the first trace; 0 without recompute.
     bytes_recomputed: int = 0
+    # The plan's trace: the bytes kept after the step (parameter gradients, the loss, outputs)
+    # and the peak of the others without offload, the movable activation peak that
+    # ``max_resident_fraction`` is a share of (None before a plan exists)
+    kept_bytes: int | None = None
+    movable_peak_bytes: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -74,6 +79,11 @@ class StepReport:
                      f"{(self.unmovable_working_set_bytes or 0) / mib:.1f} working set)")
         if self.fast_path_floor_bytes is not None:
             text += f", fast-path floor {self.fast_path_floor_bytes / mib:.1f} MiB"
+        if self.movable_peak_bytes is not None:
+            text += (f", movable peak {self.movable_peak_bytes / mib:.1f} MiB + "
+                     f"{(self.kept_bytes or 0) / mib:.1f} MiB kept")
+        if self.bytes_recomputed:
+            text += f", recomputed {self.bytes_recomputed / mib:.1f} MiB"
         return text
 
     @classmethod

@@ -69,6 +69,11 @@ class ActivationTrace:
     # (copied out after their last write, never brought back; see ``planning.tails``): their
     # lifetime on the device ends at that access, whatever ``death_ops`` says.
     tail_sids: frozenset[int] = frozenset()
+    # The budget covers the bytes kept after the step (``retained_sids``) from the step's
+    # start, not only once they exist: a budget on the movable bytes (``max_resident_fraction``
+    # of their peak) plus what the step keeps. Planning counts a retained storage's bytes
+    # before its first access too (``planning.arrays.TraceArrays.reserve_bytes``).
+    reserve_retained: bool = False
 
     def __post_init__(self) -> None:
         self.retained_sids = frozenset(self.retained_sids)
@@ -134,6 +139,7 @@ class ActivationTrace:
             "pinned_sids": sorted(self.pinned_sids),
             "death_ops": [[sid, op] for sid, op in sorted(self.death_ops.items())],
             "tail_sids": sorted(self.tail_sids),
+            "reserve_retained": self.reserve_retained,
             "memory_limit_bytes": self.memory_limit_bytes,
             "d2h_bandwidth_gbps": self.d2h_bandwidth_gbps,
             "h2d_bandwidth_gbps": self.h2d_bandwidth_gbps,
@@ -194,6 +200,9 @@ class ActivationTrace:
         if not isinstance(raw_tails, list):
             raise IRFormatError(f"{where}: tail_sids must be a list, got {raw_tails!r}")
         tails = frozenset(non_negative_int(s, f"{where}: tail_sids") for s in raw_tails)
+        reserve = doc.get("reserve_retained", False)
+        if not isinstance(reserve, bool):
+            raise IRFormatError(f"{where}: reserve_retained must be a bool, got {reserve!r}")
         guides = [
             OpGuide.from_dict(g, f"{where}: guides[{i}]")
             for i, g in enumerate(doc.get("guides", []) or [])
@@ -217,6 +226,7 @@ class ActivationTrace:
             pinned_sids=pinned,
             death_ops=deaths,
             tail_sids=tails,
+            reserve_retained=reserve,
         )
 
     def save(self, path: str | Path) -> None:

@@ -29,6 +29,9 @@ class TraceArrays:
     end_op: np.ndarray  # last op it occupies the device (death, or n-1 when retained)
     size: np.ndarray
     pinned_sids: np.ndarray  # storage ids no schedule may move (sorted)
+    # per op, bytes the budget holds for retained storages not yet allocated there (a trace
+    # with ``reserve_retained``; None: none). Every residency count of planning adds them.
+    reserve_bytes: np.ndarray | None = None
 
 
 # Arrays a caller already has for a trace (see ``arrays_given``): id(trace) -> (trace, arrays)
@@ -99,9 +102,12 @@ def _arrays(trace: ActivationTrace, counts: np.ndarray, access_sid: np.ndarray, 
         ok = where < len(sids)
         ok[ok] = sids[where[ok]] == dead[ok, 0]
         np.maximum.at(end_op, where[ok], np.minimum(dead[ok, 1], n - 1))
+    reserve = None
     if trace.retained_sids and len(sids):
         retained = np.isin(sids, np.fromiter(trace.retained_sids, dtype=np.int64))
         end_op[retained] = n - 1
+        if trace.reserve_retained:
+            reserve = _not_yet_allocated(n, first_op[retained], size[retained])
     return TraceArrays(
         num_ops=n,
         access_op=access_op,
@@ -115,7 +121,21 @@ def _arrays(trace: ActivationTrace, counts: np.ndarray, access_sid: np.ndarray, 
         end_op=end_op,
         size=size,
         pinned_sids=np.array(sorted(trace.pinned_sids), dtype=np.int64),
+        reserve_bytes=reserve,
     )
+
+
+def _not_yet_allocated(n: int, first_op: np.ndarray, size: np.ndarray) -> np.ndarray:
+    """Per op, the bytes of the storages first accessed after it."""
+    delta = np.zeros(n + 1, dtype=np.int64)
+    delta[0] = int(size.sum())
+    np.add.at(delta, np.minimum(first_op, n), -size)
+    return np.cumsum(delta[:-1])
+
+
+def with_reserve(resident: np.ndarray, arr: TraceArrays) -> np.ndarray:
+    """``resident`` (bytes per op) with the budget's reserve for retained storages added."""
+    return resident if arr.reserve_bytes is None else resident + arr.reserve_bytes
 
 
 def with_reads(arr: TraceArrays, op: np.ndarray, sid: np.ndarray) -> TraceArrays:
@@ -154,15 +174,29 @@ def with_reads(arr: TraceArrays, op: np.ndarray, sid: np.ndarray) -> TraceArrays
         end_op=np.maximum(arr.end_op, last_op),
         size=arr.size,
         pinned_sids=arr.pinned_sids,
+        reserve_bytes=arr.reserve_bytes,
     )
 
 
 def resident_without_offload(arr: TraceArrays) -> np.ndarray:
-    """Bytes alive at each op (int64), as ``ActivationTrace.resident_bytes_without_offload``."""
+    """Bytes alive at each op (int64), as ``ActivationTrace.resident_bytes_without_offload``,
+    plus the budget's reserve for retained storages (``reserve_bytes``) where there is one."""
     delta = np.zeros(arr.num_ops + 1, dtype=np.int64)
     np.add.at(delta, arr.first_op, arr.size)
     np.add.at(delta, arr.end_op + 1, -arr.size)
-    return np.cumsum(delta[:-1])
+    return with_reserve(np.cumsum(delta[:-1]), arr)
+
+
+def kept_and_movable_peak(arr: TraceArrays, retained_sids: frozenset[int]) -> tuple[int, int]:
+    """The bytes a step keeps after it (retained: parameter gradients, the loss, outputs) and
+    the peak of the rest, the bytes a plan can take off the device (its movable peak)."""
+    delta = np.zeros(arr.num_ops + 1, dtype=np.int64)
+    movable = ~np.isin(arr.sids, np.fromiter(retained_sids, dtype=np.int64)) if retained_sids else \
+        np.ones(len(arr.sids), dtype=bool)
+    np.add.at(delta, arr.first_op[movable], arr.size[movable])
+    np.add.at(delta, arr.end_op[movable] + 1, -arr.size[movable])
+    resident = np.cumsum(delta[:-1])
+    return int(arr.size[~movable].sum()), int(resident.max()) if len(resident) else 0
 
 
 @dataclass(frozen=True)

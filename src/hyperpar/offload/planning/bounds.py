@@ -18,7 +18,7 @@ from hyperpar.offload.ir import ActivationTrace
 
 
 def min_resident_bytes(trace: ActivationTrace) -> list[int]:
-    from hyperpar.offload.planning.arrays import trace_arrays
+    from hyperpar.offload.planning.arrays import trace_arrays, with_reserve
 
     arr = trace_arrays(trace)
     n = arr.num_ops
@@ -39,7 +39,7 @@ def min_resident_bytes(trace: ActivationTrace) -> list[int]:
         np.add.at(delta, arr.access_op[counted] + 1, arr.access_size[counted])
         np.add.at(delta, arr.first_op[pinned], arr.size[pinned])
         np.add.at(delta, arr.end_op[pinned] + 1, -arr.size[pinned])
-    return np.cumsum(delta[:-1]).tolist()
+    return with_reserve(np.cumsum(delta[:-1]), arr).tolist()
 
 
 def min_feasible_budget(trace: ActivationTrace) -> int:

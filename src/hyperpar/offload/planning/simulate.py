@@ -36,7 +36,7 @@ from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
 from hyperpar.offload.ir import ResidencyActionType as Act
 from hyperpar.offload.ir.packed_schedule import KINDS, packed_actions
 from hyperpar.offload.ir.sorted_ids import sorted_distinct
-from hyperpar.offload.planning.arrays import TraceArrays, trace_arrays
+from hyperpar.offload.planning.arrays import TraceArrays, trace_arrays, with_reserve
 from hyperpar.offload.planning.compute_lane import ComputeLane
 from hyperpar.offload.planning.gc_pause import gc_paused
 
@@ -183,7 +183,7 @@ def _simulate(trace: ActivationTrace, schedule: ResidencySchedule, arr: TraceArr
             delta[min(last, n - 1) + 1] -= size
     for sid, first in open_from.items():
         delta[first] += sizes.get(sid, 0)
-    resident: list[int] = np.cumsum(delta[:n]).tolist()
+    resident: list[int] = with_reserve(np.cumsum(delta[:n]), arr).tolist()
     peak = max(resident, default=0)
     step = max(clock, d2h_free, h2d_free)
     return SimResult(

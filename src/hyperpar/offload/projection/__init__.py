@@ -7,7 +7,7 @@ time of plain PyTorch and of the session's replay at a budget, and which ops are
 
 from hyperpar.offload.projection.devices import DEVICES, DeviceModel, HostCosts, get_device
 from hyperpar.offload.projection.op_costs import OpCost, op_costs
-from hyperpar.offload.projection.timeline import Projection, project
+from hyperpar.offload.projection.timeline import Projection, device_op_ms, project
 
 __all__ = [
     "DEVICES",
@@ -15,6 +15,7 @@ __all__ = [
     "HostCosts",
     "OpCost",
     "Projection",
+    "device_op_ms",
     "get_device",
     "op_costs",
     "project",

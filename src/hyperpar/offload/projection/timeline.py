@@ -16,6 +16,8 @@ import copy
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
 from hyperpar.offload.ir import ResidencyActionType as Act
 from hyperpar.offload.ir.packed_schedule import KINDS, packed_actions
@@ -69,6 +71,12 @@ def device_times_us(costs: TraceCosts, device: DeviceModel) -> list[float]:
     """Per op, the roofline time: FLOPs at peak or bytes at HBM bandwidth, whichever is longer."""
     flop_us, byte_us = 1e-6 / device.peak_tflops, 1e-3 / device.hbm_gbps
     return [max(c.flops * flop_us, c.bytes * byte_us) if c.kernel else 0.0 for c in costs.ops]
+
+
+def device_op_ms(trace: ActivationTrace, device: DeviceModel, host_us: float) -> np.ndarray:
+    """Per op, its time on ``device`` (ms): the longer of its roofline time and ``host_us``,
+    the host's cost of launching it (the planner's op durations for a plan made for it)."""
+    return np.maximum(np.asarray(device_times_us(op_costs(trace), device), dtype=np.float64), host_us) / 1e3
 
 
 def run_timeline(device_us: list[float], host_us: float, launch_us: float,
