@@ -25,8 +25,14 @@ from hyperpar.offload.capture.tracing.module_spans import ModuleSpans
 from hyperpar.offload.ir import ActivationTrace
 from hyperpar.offload.ir.report import StepReport
 from hyperpar.offload.planning.arrays import TraceArrays, resident_without_offload
-from hyperpar.offload.planning.levers import RecomputeChoice, choose_recompute, regions_of, worth_looking
-from hyperpar.offload.runtime.recompute_regions import RecomputeRegions
+from hyperpar.offload.planning.levers import (
+    RecomputeChoice,
+    choose_recompute,
+    hideable_bytes,
+    regions_of,
+    worth_looking,
+)
+from hyperpar.offload.runtime.recompute_regions import RecomputeMismatchError, RecomputeRegions
 
 logger = logging.getLogger("hyperpar.offload.api.session")
 
@@ -43,6 +49,7 @@ class RecomputeSteps:
     _recompute_stack: contextlib.ExitStack | None
     _recompute_applied: bool  # the running (or last) step ran with the chosen calls checkpointed
     _want_spans: bool  # the next checked replay records module calls for the choice
+    _recompute_trusted: bool  # a step compared every rebuilt output with forward's: later ones need not
 
     def _recompute_init(self) -> None:
         self._recompute = None  # module calls rebuilt in backward, chosen once
@@ -51,6 +58,7 @@ class RecomputeSteps:
         self._recompute_stack = None
         self._recompute_applied = False
         self._want_spans = False
+        self._recompute_trusted = False
 
     def _recompute_enter(self, executor: ExecutorBase | None) -> None:
         """At a step's start: the chosen calls checkpointed; on the checked replay the choice
@@ -59,7 +67,8 @@ class RecomputeSteps:
         self._recompute_applied = self._recompute is not None
         try:
             if self._recompute is not None:
-                stack.enter_context(self._recompute.applied())
+                stack.enter_context(self._recompute.applied(
+                    check=self.config.verify or not self._recompute_trusted))
             if self._want_spans and isinstance(executor, ReplayExecutor):
                 self._module_spans = stack.enter_context(ModuleSpans(lambda: executor.index))
         except BaseException:
@@ -67,10 +76,20 @@ class RecomputeSteps:
             raise
         self._recompute_stack = stack
 
-    def _recompute_exit(self) -> None:
+    def _recompute_exit(self, check: bool) -> RecomputeMismatchError | None:
+        """At a step's end: the modules' own ``forward`` back; with ``check`` (a step that ended
+        without error), the error for a rebuilt output that differed from forward's, if any."""
         stack, self._recompute_stack = self._recompute_stack, None
         if stack is not None:
             stack.close()
+        if self._recompute is None or not self._recompute_applied:
+            return None
+        compared = len(self._recompute.checks)
+        mismatch = self._recompute.mismatch()
+        if not check:
+            return None
+        self._recompute_trusted = self._recompute_trusted or (compared > 0 and mismatch is None)
+        return mismatch
 
     def _recompute_report(self, report: StepReport) -> None:
         """The step's report: what its checkpointed calls did not keep (none before the choice)."""
@@ -132,7 +151,8 @@ class RecomputeSteps:
                 calls.append((id(module), span.first, span.end, span.depth))
         arrays, compute_ms, exposed_ms, d2h, h2d, need = self._recompute_costs(trace, arrays, predicted_ms)
         choice = choose_recompute(regions_of(arrays, calls, d2h, h2d), need, exposed_ms, compute_ms,
-                                  self._budget_bytes, everything=self.config.recompute == "layers")
+                                  self._budget_bytes, everything=self.config.recompute == "layers",
+                                  hidden_bytes=hideable_bytes(arrays, calls, d2h, h2d))
         self._recompute_choice = choice
         if not choice.regions:
             logger.info("recompute: none (%s)", choice.why)

@@ -220,7 +220,7 @@ class OffloadSession(FastSteps, RecomputeSteps):
             try:
                 self._start_fast(plan)
             except BaseException:
-                self._recompute_exit()
+                self._recompute_exit(check=False)
                 raise
             return self
         if plan is not None:
@@ -253,7 +253,16 @@ class OffloadSession(FastSteps, RecomputeSteps):
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> bool:
-        self._recompute_exit()  # the modules' own forward back, however the step ended
+        # the modules' own forward back, however the step ended; a rebuilt call that gave other
+        # bytes than forward fails the step as an error inside it would
+        mismatch = self._recompute_exit(check=exc_type is None)
+        if mismatch is not None:
+            self._exit(type(mismatch), mismatch, None)
+            raise mismatch
+        return self._exit(exc_type, exc, tb)
+
+    def _exit(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+              tb: TracebackType | None) -> bool:
         fast, packs = self._fast, self._packs
         self._fast = self._packs = None
         if fast is not None:

@@ -8,7 +8,12 @@ sees them as saved tensors and can offload them; a write to one since forward ra
 backward, as for any saved tensor), and in backward it runs again from them with the
 random-number and autocast state forward had, so a rebuilt tensor is bitwise the one forward
 made. Two guards keep a second run honest: a call handed an object it could change (a KV
-cache) is not rebuilt, and every rebuilt output is checked against its forward bytes.
+cache) is not rebuilt, and on a checked step every rebuilt output is compared with its
+forward bytes (a sum of its words, compared on the device and read once when the step ends:
+no synchronization per call, and the step raises before its gradients are used). The session
+checks the first step of a choice, and every step with ``verify=True``: the sums cost about
+four ops per output, a real share of a host-bound step. They run out of the dispatch modes'
+sight, so a step traces the same ops whether it checks or not.
 Torch's non-reentrant checkpoint, the first version, keeps the inputs in a Python closure
 that only the dispatch mode can move; it still runs a call with no tensor input.
 """
@@ -25,6 +30,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint, get_device_states, set_device_states
 
@@ -41,13 +47,16 @@ class RecomputeRegions:
         self._call_bytes = call_bytes or [0] * len(modules)
         self.names = [type(m).__name__ for m in modules]
         self.step_bytes = 0  # of the running (or last) step: the calls it did rebuild
+        # the step's rebuilt outputs: (module name, output index, whether its bytes differ)
+        self.checks: list[tuple[str, int, torch.Tensor]] = []
 
     @contextmanager
-    def applied(self) -> Iterator[None]:
+    def applied(self, check: bool = True) -> Iterator[None]:
         """For one step: each module's calls checkpointed; the original ``forward`` back after
         (an instance attribute set by the user before is restored as it was)."""
         patched: list[tuple[torch.nn.Module, Any]] = []
         self.step_bytes = 0
+        self.checks = []
         try:
             for ref, nbytes in zip(self._modules, self._call_bytes, strict=True):
                 module = ref()
@@ -55,7 +64,8 @@ class RecomputeRegions:
                     continue
                 before = module.__dict__.get("forward", _ABSENT)
                 rebuilt = functools.partial(self._rebuilt, nbytes)
-                module.forward = _checkpointed(module.forward, rebuilt)  # type: ignore[method-assign]
+                checks = self.checks if check else None
+                module.forward = _checkpointed(module.forward, rebuilt, checks)  # type: ignore[method-assign]
                 patched.append((module, before))
             yield
         finally:
@@ -68,11 +78,28 @@ class RecomputeRegions:
     def _rebuilt(self, nbytes: int) -> None:
         self.step_bytes += nbytes
 
+    def mismatch(self) -> RecomputeMismatchError | None:
+        """The error for the step's first rebuilt output whose bytes differ from forward's,
+        or None (one read of the device's flags per step)."""
+        checks, self.checks = self.checks, []
+        if not checks:
+            return None
+        with _disable_current_modes():  # the step's dispatch mode is still on: not one of its ops
+            differs = torch.stack([flag.to("cpu") for _, _, flag in checks])
+            if not bool(differs.any()):
+                return None
+            owner, k, _ = checks[int(differs.int().argmax())]
+        return RecomputeMismatchError(
+            f"recompute: {owner} run again in backward gave another output {k} than in forward (its "
+            f"forward depends on state it changes, or is not deterministic): its gradients would be "
+            f"wrong; use OffloadConfig(recompute='off') for this model")
+
 
 _ABSENT = object()
 
 
-def _checkpointed(forward: Callable[..., Any], rebuilt: Callable[[], None]) -> Callable[..., Any]:
+def _checkpointed(forward: Callable[..., Any], rebuilt: Callable[[], None],
+                  checks: list[tuple[str, int, torch.Tensor]] | None) -> Callable[..., Any]:
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # nothing is saved without grad: plain call
@@ -89,7 +116,7 @@ def _checkpointed(forward: Callable[..., Any], rebuilt: Callable[[], None]) -> C
         if not at:  # nothing to keep: torch's own checkpoint (its inputs are Python's)
             rebuilt()
             return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
-        call = _Call(forward, leaves, spec, at, params)
+        call = _Call(forward, leaves, spec, at, params, checks)
         flat = _Rebuilt.apply(call, *[leaves[i] for i in at], *params)
         rebuilt()
         return call.output(flat)
@@ -122,7 +149,7 @@ class _Call:
     structure (tensors go through ``_Rebuilt``, anything else is handed back as it was)."""
 
     def __init__(self, forward: Callable[..., Any], leaves: list[Any], spec: TreeSpec, at: list[int],
-                 params: list[torch.Tensor]) -> None:
+                 params: list[torch.Tensor], checks: list[tuple[str, int, torch.Tensor]] | None) -> None:
         # the tensors come with each run (saved by autograd, not held here: a Python reference
         # would keep their bytes where the fast path must free them)
         held = list(leaves)
@@ -130,6 +157,7 @@ class _Call:
             held[i] = None
         self.forward, self.leaves, self.spec, self.at = forward, held, spec, at
         self.params = params  # the module's, requiring grad: inputs of the call after its tensors
+        self.checks = checks  # where backward leaves its comparisons (None: an unchecked step)
         self.out_leaves: list[Any] = []
         self.out_spec: TreeSpec | None = None
         self.out_at: list[int] = []
@@ -169,7 +197,7 @@ class _Rebuilt(torch.autograd.Function):
                         for d in {t.device.type for t in inputs}]
         with torch.no_grad():
             outs = call.call(inputs)
-            ctx.sums = [_bytes_sum(o) for o in outs]
+            ctx.sums = None if call.checks is None else _sums(outs)
         ctx.save_for_backward(*inputs)
         ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
         return tuple(outs)
@@ -184,14 +212,11 @@ class _Rebuilt(torch.autograd.Function):
             for device, enabled, dtype in ctx.autocast:
                 stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
             outs = call.call(again)
-        with torch.no_grad():
-            for k, (o, before) in enumerate(zip(outs, ctx.sums, strict=True)):
-                if not torch.equal(_bytes_sum(o), before):
-                    owner = type(call.forward.__self__).__name__
-                    raise RecomputeMismatchError(
-                        f"recompute: {owner} run again in backward gave another output {k} than in forward "
-                        f"(its forward depends on state it changes, or is not deterministic): its gradients "
-                        f"would be wrong; use OffloadConfig(recompute='off') for this model")
+        if call.checks is not None:
+            owner = type(getattr(call.forward, "__self__", call.forward)).__name__
+            with torch.no_grad(), _disable_current_modes():  # on the device, read when the step ends
+                for k, (after, before) in enumerate(zip(_sums(outs), ctx.sums, strict=True)):
+                    call.checks.append((owner, k, torch.ne(after, before)))
         pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad and g is not None]
         wrt = [x for x in again if x.requires_grad] + params
         got = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
@@ -199,13 +224,22 @@ class _Rebuilt(torch.autograd.Function):
         return (None, *[next(got) if x.requires_grad else None for x in again], *[next(got) for _ in params])
 
 
+def _sums(outs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each output's byte sum, out of every dispatch mode's sight: a step traces the same ops
+    whether it checks or not (a session's checked replay would see the check as a departure)."""
+    with _disable_current_modes():
+        return [_bytes_sum(o) for o in outs]
+
+
 def _bytes_sum(t: torch.Tensor) -> torch.Tensor:
-    """A sum of the tensor's bytes as integers: equal for equal bytes, and a changed value
-    changes it (one reduction, no copy kept)."""
-    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    if raw.numel() % 4 == 0:  # 4-byte words where the size allows (any dtype: complex, float8)
-        raw = raw.view(torch.int32)
-    return raw.sum(dtype=torch.int64)
+    """A sum of the tensor's bytes as integers of its element size (4 bytes at most): equal
+    for equal bytes, a changed value changes it, whatever the layout (one reduction, no copy
+    of a contiguous tensor, the same words for the same dtype at any offset)."""
+    flat = (t if t.is_contiguous() else t.contiguous()).reshape(-1)  # no grad here: no detach
+    return flat.view(_WORDS.get(flat.element_size(), torch.int32)).sum(dtype=torch.int64)
+
+
+_WORDS = {1: torch.uint8, 2: torch.int16}
 
 
 class _RngState:

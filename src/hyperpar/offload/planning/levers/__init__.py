@@ -4,8 +4,9 @@ from hyperpar.offload.planning.levers.recompute_choice import (
     RecomputeChoice,
     Region,
     choose_recompute,
+    hideable_bytes,
     regions_of,
     worth_looking,
 )
 
-__all__ = ["RecomputeChoice", "Region", "choose_recompute", "regions_of", "worth_looking"]
+__all__ = ["RecomputeChoice", "Region", "choose_recompute", "hideable_bytes", "regions_of", "worth_looking"]

@@ -23,6 +23,7 @@ from hyperpar.offload.planning.arrays import TraceArrays
 GBPS_TO_BYTES_PER_MS = 1e6  # 1 GB/s moves 1e6 bytes per ms
 EXPOSED_SHARE = 0.03  # an offload-only plan within 3 % of the compute time is left alone
 REGION_SHARE = 0.5  # of the budget: the most one rebuilt call may bring back in its backward
+HIDE_SHARE = 0.8  # of the link over a phase's compute: what a plan moves there without waits
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,21 +84,39 @@ def regions_of(arrays: TraceArrays, calls: list[tuple[int, int, int, int]], d2h_
     return regions
 
 
+def hideable_bytes(arrays: TraceArrays, calls: list[tuple[int, int, int, int]], d2h_gbps: float,
+                   h2d_gbps: float) -> int:
+    """Bytes an offload plan can take out in forward and bring back in backward without
+    making compute wait: the link over each phase's compute time (``HIDE_SHARE`` of it)."""
+    if not calls:
+        return 0
+    forward_end = max(end for _, _, end, _ in calls)
+    forward_ms = float(arrays.duration_ms[:forward_end].sum())
+    backward_ms = float(arrays.duration_ms[forward_end:].sum())
+    return int(HIDE_SHARE * GBPS_TO_BYTES_PER_MS * min(forward_ms * d2h_gbps, backward_ms * h2d_gbps))
+
+
 def choose_recompute(regions: list[Region], need_bytes: int, exposed_ms: float, compute_ms: float,
-                     budget_bytes: int, everything: bool = False) -> RecomputeChoice:
+                     budget_bytes: int, everything: bool = False, hidden_bytes: int = 0) -> RecomputeChoice:
     """The regions to rebuild. ``need_bytes``: what the budget makes the plan take off the
     device at its peak; ``exposed_ms``: the offload-only plan's predicted step over its
-    compute. A rebuilt call's bytes all come back at once in its backward, so no region
-    rebuilds more than ``budget_bytes * REGION_SHARE`` in one call (the whole model as one
-    region would only move the peak into backward). ``everything``: full checkpointing per
-    layer instead (the regions of the most calls at the shallowest depth: a model's repeated
-    blocks), whatever the costs and sizes."""
+    compute; ``hidden_bytes``: what offload moves in compute's shadow (``hideable_bytes``),
+    so rebuilding frees only the rest, cheapest per byte first. A rebuilt call's bytes all
+    come back at once in its backward, so no region rebuilds more than
+    ``budget_bytes * REGION_SHARE`` in one call (the whole model as one region would only
+    move the peak into backward). ``everything``: full checkpointing per layer instead (the
+    regions of the most calls at the shallowest depth: a model's repeated blocks), whatever
+    the costs and sizes."""
     if everything:
         return _layers(regions)
     regions = [r for r in regions if r.freed_bytes / len(r.spans) <= budget_bytes * REGION_SHARE]
     why = worth_looking(need_bytes, exposed_ms, compute_ms)
     if why:
         return RecomputeChoice(why=why)
+    if need_bytes <= hidden_bytes:
+        return RecomputeChoice(why=f"the link moves the {need_bytes} bytes the budget needs off in compute's "
+                                   f"shadow ({hidden_bytes} bytes there)")
+    need_bytes -= hidden_bytes
     chosen: list[Region] = []
     freed = 0
     spent = 0.0
