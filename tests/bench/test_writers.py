@@ -31,7 +31,7 @@ CHEAP = {  # stem -> arguments of a run that takes a few seconds
 }
 EXPENSIVE = ("moe", "compile", "variable_lengths", "variable_shapes_models", "fuzz_failures",
              "multicore_hang_paths", "warmup_budget", "planner", "offload", "host_cost",
-             "host_cost_mechanisms", "gpu_projection")
+             "host_cost_mechanisms", "gpu_projection", "whole_model_projection", "recompute_cpu")
 
 
 def _names(stem: str, doc: dict[str, Any]) -> list[str]:

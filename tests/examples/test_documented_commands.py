@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import re
 import shlex
@@ -141,6 +142,20 @@ def _gpu_projection(out: str) -> None:
     assert "tiny (seq 128): " in out and "kernels launch-bound" in out
 
 
+def _whole_model_projection(out: str) -> None:
+    assert "tiny on h100: plain" in out and "mixed" in out and "offloaded_checkpointing" in out
+
+
+def _recompute_cpu(out: str) -> None:
+    assert "hf-gpt2: plain 1.00x" in out and "NOT BITWISE" not in out and "OVER BUDGET" not in out, out
+
+
+def _plan_json(out: str) -> None:
+    doc = json.loads(out)
+    assert {"plain_ms", "step_ms", "full_ac_ms", "peak_bytes", "budget_bytes", "offload_bytes",
+            "recompute_bytes"} <= doc.keys()
+
+
 def _help(out: str) -> None:
     assert "usage: hyperpar" in out
 
@@ -157,8 +172,11 @@ KNOWN: dict[str, Run | Skip] = {
     ".venv/bin/hyperpar plan hyperpar-demo/trace.json --sweep": Run(
         ("--out", "{tmp}/plan"), _plan, before=(".venv/bin/hyperpar", "demo", *TINY_DEMO),
         rewrite={"hyperpar-demo/trace.json": "{tmp}/hyperpar-demo/trace.json"}),
+    ".venv/bin/hyperpar plan hyperpar-demo/trace.json --device h100 --budget-fraction 0.3 --json": Run(
+        (), _plan_json, before=(".venv/bin/hyperpar", "demo", *TINY_DEMO),
+        rewrite={"hyperpar-demo/trace.json": "{tmp}/hyperpar-demo/trace.json"}),
     ".venv/bin/python examples/offload_quickstart.py": Run((), _quickstart),
-    ".venv/bin/python examples/offload_recompute.py": Run(("--rows", "256", "--steps", "5"), _recompute),
+    ".venv/bin/python examples/offload_recompute.py": Run(("--rows", "512", "--steps", "5"), _recompute),
     ".venv/bin/python examples/offload_recompute.py --recompute layers --rows 256": Run(("--steps", "5"),
                                                                                        _recompute),
     ".venv/bin/python examples/offload_hf_llama.py": Run(("--size", "tiny", "--steps", "2"), _hf_llama, "hf"),
@@ -204,6 +222,13 @@ KNOWN: dict[str, Run | Skip] = {
         "hf"),
     ".venv/bin/python benchmarks/gpu_projection.py --out benchmarks/results/gpu_projection.json": Run(
         ("--shapes", "tiny", "--out", "{tmp}/gpu_projection.json"), _gpu_projection, "hf"),
+    (".venv/bin/python benchmarks/whole_model_projection.py "
+     "--out benchmarks/results/whole_model_projection.json"): Run(
+        ("--shapes", "tiny", "--fractions", "0.5", "--devices", "h100", "--out", "{tmp}/whole_model.json"),
+        _whole_model_projection, "hf"),
+    ".venv/bin/python benchmarks/recompute_cpu.py --out benchmarks/results/recompute_cpu.json": Run(
+        ("--families", "hf-gpt2", "--rounds", "4", "--settle", "2", "--out", "{tmp}/recompute_cpu.json"),
+        _recompute_cpu, "hf"),
     ".venv/bin/python benchmarks/fast_paths.py --out benchmarks/results/fast_paths.json": Run(
         ("--families", "tiny-ops", "--fractions", "0.5", "--steps", "3", "--tiny-layers", "20",
          "--out", "{tmp}/fast_paths.json"), _fast_paths),

@@ -336,6 +336,41 @@ def fast_paths(doc: dict[str, Any]) -> list[Figure]:
     return figs
 
 
+def whole_model_projection(doc: dict[str, Any]) -> list[Figure]:
+    """Per shape on h100, host cost equal to plain's: the mixed plan at 30 % of the movable
+    activation peak and full checkpointing, over plain."""
+    figs, page = [], "docs/architecture.md"
+    for name, r in doc["shapes"].items():
+        eq = r["devices"].get("h100", {}).get("equal")
+        if eq is None or "30%" not in eq["budgets"]:
+            continue
+        plain = eq["plain"]["step_ms"]
+        what = f"whole {name} ({r['layers']} layers, seq {r['seq']}, batch {r['batch']}), h100 projection"
+        mixed, ac = eq["budgets"]["30%"]["mixed"], eq["full_checkpointing"]
+        figs += [
+            figure(f"{name}: mixed plan at 30%", mixed["step_ms"] / plain, "x",
+                   f"{what}: the mixed plan at 30% of the movable activation peak "
+                   f"(reached {mixed['activation_pct']:.0f} %), over plain", page,
+                   goal="<= 1.10" if name == "llama_1b_like" else None),
+            figure(f"{name}: full checkpointing", ac["step_ms"] / plain, "x",
+                   f"{what}: full checkpointing per layer ({ac['activation_pct']:.0f} % of the movable "
+                   f"peak), over plain", page),
+        ]
+    return figs
+
+
+def recompute_cpu(doc: dict[str, Any]) -> list[Figure]:
+    """Per family at the run's budget: the mixed plan's CPU time over plain (bitwise, said)."""
+    figs = []
+    for name, r in doc["families"].items():
+        m = r["strategies"]["mixed"]
+        figs.append(figure(f"{name}: mixed over plain", m["over_plain"], "x",
+                           f"{name}, dropout on, at {r['fraction']:.0%} of the movable peak: recompute=auto, "
+                           f"CPU / plain ({'bitwise' if m['bitwise'] else 'NOT bitwise'})",
+                           "docs/architecture.md"))
+    return figs
+
+
 HEADLINES: dict[str, Callable[[dict[str, Any]], list[Figure]]] = {
     "moe": moe, "offload": offload, "planner": planner, "variable_lengths": variable_lengths,
     "variable_shapes_models": variable_shapes_models, "compile": compile_in_session,
@@ -344,6 +379,7 @@ HEADLINES: dict[str, Callable[[dict[str, Any]], list[Figure]]] = {
     "tiny_ops": tiny_ops, "warmup_budget": warmup_budget, "grown_steps": grown_steps,
     "host_pool": host_pool, "replay_overhead": replay_overhead, "host_cost": host_cost,
     "host_cost_mechanisms": host_cost_mechanisms, "gpu_projection": gpu_projection, "demo_step": demo_step,
+    "whole_model_projection": whole_model_projection, "recompute_cpu": recompute_cpu,
     "fast_paths": fast_paths,
 }
 

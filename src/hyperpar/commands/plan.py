@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -54,6 +55,9 @@ def run(args: argparse.Namespace) -> int:
     except (IRFormatError, UnicodeDecodeError) as exc:
         print(f"hyperpar plan: {str(path)!r} is not a hyperpar trace: {exc}", file=sys.stderr)
         return 2
+    if args.json:  # one JSON object on stdout, nothing else
+        print(json.dumps(plan_projection.levers(args, trace).as_dict(), indent=1))
+        return 0
     trace = with_budget(trace, _budget_bytes(args.budget_mb, trace.memory_limit_bytes))
     baseline = simulate(trace, emit_schedule(trace, [], "none"))
     with deficit_warnings_muted():  # the table below says it
@@ -103,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
                        [7, 11, 10, 12, 11]))
     if args.device is not None:
         plan_projection.report(args, trace, out if plots is not None else None)
+        if args.budget_fraction is not None:
+            plan_projection.print_levers(plan_projection.levers(args, trace))
     if plots is None:
         print("matplotlib is not installed: no plots (pip install 'hyperpar[plot]')")
         return 0

@@ -11,6 +11,7 @@ from hyperpar.offload.ir import ActivationTrace
 
 if TYPE_CHECKING:
     from hyperpar.offload.projection import HostCosts
+    from hyperpar.offload.projection.levers import LeverSteps
 
 MIB = 1 << 20
 HOST_FLAGS = (("--host-us-plain", "plain_us", "plain PyTorch"),
@@ -24,6 +25,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = HostCosts()
     parser.add_argument("--device", default=None, metavar="NAME",
                         help=f"also project the step on this GPU model ({', '.join(sorted(DEVICES))})")
+    parser.add_argument("--budget-fraction", default=None, metavar="F",
+                        help="with --device: the budget as a share in (0, 1] of the trace's movable "
+                             "activation peak (plus the bytes it keeps), and each lever's projected step "
+                             "at it")
+    parser.add_argument("--json", action="store_true",
+                        help="with --device and --budget-fraction: print one JSON object (plain_ms, step_ms, "
+                             "full_ac_ms, offload_only_ms, peak_bytes, budget_bytes, offload_bytes, "
+                             "recompute_bytes, ...) and nothing else")
     for flag, attr, what in HOST_FLAGS:
         parser.add_argument(flag, default=None, metavar="US",
                             help=f"host µs per op of {what} (default {getattr(defaults, attr):g}, "
@@ -54,6 +63,41 @@ def check(args: argparse.Namespace) -> None:
     if args.device is not None and args.device.lower() not in DEVICES:
         raise SystemExit(f"hyperpar plan: --device must be one of {sorted(DEVICES)}, got {args.device!r}")
     _host_costs(args)
+    if args.budget_fraction is not None:
+        fraction = fraction_of(args)
+        if args.device is None:
+            raise SystemExit(f"hyperpar plan: --budget-fraction {fraction:g} needs --device")
+    if args.json and (args.device is None or args.budget_fraction is None):
+        raise SystemExit("hyperpar plan: --json needs --device and --budget-fraction")
+
+
+def fraction_of(args: argparse.Namespace) -> float:
+    try:
+        value = float(args.budget_fraction)
+    except ValueError:
+        raise SystemExit(f"hyperpar plan: --budget-fraction must be a number in (0, 1], "
+                         f"got {args.budget_fraction!r}") from None
+    if not 0 < value <= 1:  # NaN fails too
+        raise SystemExit(f"hyperpar plan: --budget-fraction must be in (0, 1], got {args.budget_fraction!r}")
+    return value
+
+
+def levers(args: argparse.Namespace, trace: ActivationTrace) -> LeverSteps:
+    """Each lever's projected step at ``--budget-fraction`` (``projection.levers``)."""
+    from hyperpar.offload.projection import get_device
+    from hyperpar.offload.projection.levers import lever_steps
+
+    return lever_steps(trace, get_device(args.device), _host_costs(args), fraction_of(args), args.planner)
+
+
+def print_levers(r: LeverSteps) -> None:
+    full = "-" if r.full_ac_ms is None else f"{r.full_ac_ms / r.plain_ms:.2f}x"
+    print(f"levers at {r.budget_bytes / MIB:.1f} MiB ({r.peak_bytes / MIB:.1f} MiB movable peak + "
+          f"{r.kept_bytes / MIB:.1f} MiB kept) on {r.device}: plain {r.plain_ms:.3f} ms, offload only "
+          f"{r.offload_only_ms / r.plain_ms:.2f}x, full checkpointing {full}, "
+          f"mixed {r.step_ms / r.plain_ms:.2f}x "
+          f"({r.rebuilt_layers} of {r.layers} layers rebuilt, {r.offload_bytes / MIB:.1f} MiB to host"
+          f"{'' if r.meets_budget else ', over budget: planned for its floor'})")
 
 
 def report(args: argparse.Namespace, trace: ActivationTrace, out: Path | None) -> Path | None:

@@ -24,7 +24,8 @@ from hyperpar.offload.capture import ExecutorBase, ReplayExecutor
 from hyperpar.offload.capture.tracing.module_spans import ModuleSpans
 from hyperpar.offload.ir import ActivationTrace
 from hyperpar.offload.ir.report import StepReport
-from hyperpar.offload.planning.arrays import TraceArrays, resident_without_offload
+from hyperpar.offload.planning.arrays import TraceArrays, arrays_given, resident_without_offload, trace_arrays
+from hyperpar.offload.planning.deficit_warnings import deficit_warnings_muted
 from hyperpar.offload.planning.levers import (
     RecomputeChoice,
     choose_recompute,
@@ -32,9 +33,11 @@ from hyperpar.offload.planning.levers import (
     regions_of,
     worth_looking,
 )
+from hyperpar.offload.planning.levers.rebuilt_trace import rebuilt_trace
 from hyperpar.offload.runtime.recompute_regions import RecomputeMismatchError, RecomputeRegions
 
 logger = logging.getLogger("hyperpar.offload.api.session")
+OVER_TOLERANCE = 0.01  # of the budget: choices this close to the least over it count as keeping it
 
 
 class RecomputeSteps:
@@ -149,10 +152,22 @@ class RecomputeSteps:
             if module is not None:
                 modules[id(module)] = module
                 calls.append((id(module), span.first, span.end, span.depth))
-        arrays, compute_ms, exposed_ms, d2h, h2d, need = self._recompute_costs(trace, arrays, predicted_ms)
-        choice = choose_recompute(regions_of(arrays, calls, d2h, h2d), need, exposed_ms, compute_ms,
-                                  self._budget_bytes, everything=self.config.recompute == "layers",
-                                  hidden_bytes=hideable_bytes(arrays, calls, d2h, h2d))
+        costs = self._recompute_costs(trace, arrays, predicted_ms)
+        device_arrays, compute_ms, exposed_ms, d2h, h2d, need = costs
+        regions = regions_of(device_arrays, calls, d2h, h2d)
+        forward_end = max((end for _, _, end, _ in calls), default=0)
+        if self.config.recompute == "layers":
+            choice = choose_recompute(regions, need, exposed_ms, compute_ms, self._budget_bytes,
+                                      everything=True)
+        else:  # the cheapest-per-byte choices, full checkpointing and none, judged by the step each makes
+            hidden = hideable_bytes(device_arrays, calls, d2h, h2d)
+            choice = self._judged(trace, forward_end, [
+                choose_recompute(regions, need, exposed_ms, compute_ms, self._budget_bytes,
+                                 hidden_bytes=hidden),
+                choose_recompute(regions, need, exposed_ms, compute_ms, self._budget_bytes),
+                choose_recompute(regions, need, exposed_ms, compute_ms, self._budget_bytes, everything=True),
+                RecomputeChoice(why="offload alone")])
+        choice.forward_end = forward_end
         self._recompute_choice = choice
         if not choice.regions:
             logger.info("recompute: none (%s)", choice.why)
@@ -161,6 +176,56 @@ class RecomputeSteps:
                                            [r.freed_bytes // len(r.spans) for r in choice.regions])
         self._next[signature] = None  # the step with the rebuilt calls is another step: trace it
         logger.info("recompute: %s (%s)", ", ".join(sorted(set(self._recompute.names))), choice.why)
+
+    def _judged(self, trace: ActivationTrace, forward_end: int, choices: list[RecomputeChoice]
+                ) -> RecomputeChoice:
+        """Of ``choices``, the one whose step (the trace it would record, ``rebuilt_trace``)
+        is predicted fastest at the budget: projected on ``plan_for``'s model
+        (``projection.project``, as ``hyperpar plan --device`` does), else planned and
+        simulated on the times measured here. One that keeps the budget (or comes within
+        ``OVER_TOLERANCE`` of the least over it) beats any other. Each is planned, not run."""
+        scored = []
+        seen: set[tuple[int, ...]] = set()
+        for choice in choices:
+            key = tuple(sorted(r.key for r in choice.regions))
+            if key in seen:
+                continue
+            seen.add(key)
+            rebuilt = rebuilt_trace(trace, [sp for r in choice.regions for sp in r.spans], forward_end)
+            step_ms, over = self._predicted(replace(rebuilt, memory_limit_bytes=self._budget_bytes))
+            scored.append((over, step_ms, len(scored), choice))
+            logger.debug("recompute: %s -> predicted step %.3f ms, %d bytes over the budget of %d",
+                         choice.why, step_ms, over, self._budget_bytes)
+        least_over = min(over for over, *_ in scored)
+        tolerance = least_over + max(int(OVER_TOLERANCE * self._budget_bytes), 1)
+        _, step_ms, _, best = min((s for s in scored if s[0] < tolerance), key=lambda s: (s[1], s[2]))
+        best.why = f"{best.why}; predicted step {step_ms:.3f} ms, the least of {len(scored)} choices"
+        return best
+
+    def _predicted(self, trace: ActivationTrace) -> tuple[float, int]:
+        """The step ``trace`` predicts at its budget (planned for its floor where that is
+        higher) and the bytes its plan stays over the budget."""
+        from hyperpar.offload.planning import simulate
+        from hyperpar.offload.planning.floor import budget_floor
+
+        budget = trace.memory_limit_bytes
+        with deficit_warnings_muted():
+            floor = budget_floor(trace).floor_bytes
+            limit = max(floor, budget)
+            if self.config.plan_for is not None:
+                from hyperpar.offload.projection import HostCosts, get_device, project  # beside planning
+
+                # at plain's host cost per op: copies must hide behind the device's work, not
+                # behind the replay's own host overhead (a choice that hides them only there
+                # is one faster host away from waiting on the link)
+                host = HostCosts(replay_us=HostCosts().plain_us)
+                projection = project(trace, get_device(self.config.plan_for), host, limit)
+                return projection.replay.step_us / 1e3, max(floor - budget, 0) + projection.deficit_bytes
+            planned = replace(trace, memory_limit_bytes=limit)
+            with arrays_given(planned, trace_arrays(planned)):
+                schedule = self.config.resolved_planner().build(planned)
+                return (float(simulate(planned, schedule).predicted_step_ms),
+                        max(floor - budget, 0) + schedule.deficit_bytes)
 
 
 def _on_device(trace: ActivationTrace, arrays: TraceArrays, device_name: str, budget_bytes: int

@@ -45,6 +45,7 @@ class Region:
 class RecomputeChoice:
     regions: list[Region] = field(default_factory=list)
     why: str = ""
+    forward_end: int = 0  # the op backward was taken to start at (where the outermost call ended)
 
 
 def regions_of(arrays: TraceArrays, calls: list[tuple[int, int, int, int]], d2h_gbps: float,
