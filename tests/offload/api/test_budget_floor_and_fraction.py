@@ -15,7 +15,9 @@ from hyperpar.models import GPT, GPTConfig, random_batch
 from hyperpar.offload import OffloadConfig, OffloadSession, StepReport
 from hyperpar.offload.ir import ActivationTrace
 from hyperpar.offload.planning import simulate
+from hyperpar.offload.planning.deficit_warnings import deficit_warnings_muted
 from hyperpar.offload.planning.floor import budget_floor
+from hyperpar.offload.planning.sweep import plan_point, with_budget
 
 BELOW = "below the feasible floor"
 
@@ -140,16 +142,19 @@ def test_a_fraction_holds_the_movable_bytes_at_every_op() -> None:
 
 
 def test_a_budget_below_the_floor_gets_the_plan_for_the_floor() -> None:
-    """Not a plan chasing an unreachable budget: the same moves as at the floor itself."""
+    """Not a plan chasing an unreachable budget: the plan of the floor, on the same trace."""
     below = OffloadSession(OffloadConfig(max_resident_activation_mb=0))
     low, grads = _steps(below, 2)
-    assert below.trace is not None
-    floor = budget_floor(below.trace).floor_bytes
-    at = OffloadSession(OffloadConfig(max_resident_activation_mb=floor / (1 << 20)))
-    at_floor, _ = _steps(at, 2)
-    assert low[-1].budget_bytes == 0 < floor == at_floor[-1].budget_bytes
-    assert (low[-1].bytes_d2h, low[-1].bytes_h2d) == (at_floor[-1].bytes_d2h, at_floor[-1].bytes_h2d)
-    assert low[-1].peak_resident_bytes == at_floor[-1].peak_resident_bytes
+    trace, schedule = below.trace, below.schedule
+    assert trace is not None and schedule is not None
+    floor = budget_floor(trace).floor_bytes
+    assert low[-1].budget_bytes == 0 < floor
+    with deficit_warnings_muted():
+        at_floor = plan_point(with_budget(trace, floor), "timed")[0]
+        chasing = plan_point(with_budget(trace, 0), "timed")[0]
+    assert (schedule.budget_bytes, schedule.predicted_peak_bytes) == (floor, at_floor.predicted_peak_bytes)
+    assert simulate(trace, schedule).bytes_d2h == at_floor.bytes_d2h < chasing.bytes_d2h
+    assert low[-1].bytes_d2h < chasing.bytes_d2h
     _, plain = _steps(None, 2)
     assert all(torch.equal(a, b) for a, b in zip(grads, plain, strict=True))
 
