@@ -44,9 +44,10 @@ class _Offloaded(_Recording, OffloadTrainer):
     pass
 
 
-def _train(cls: type, tmp_path: Any, **kwargs: Any) -> Any:
+def _train(cls: type, tmp_path: Any, use_cache: bool = True, **kwargs: Any) -> Any:
     config = LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=SEQ)
+                         intermediate_size=64, vocab_size=VOCAB, max_position_embeddings=SEQ,
+                         use_cache=use_cache)
     gen = torch.Generator().manual_seed(1)
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, VOCAB, (16, SEQ), generator=gen)]
     torch.manual_seed(0)
@@ -81,6 +82,24 @@ def test_offload_trainer_matches_the_plain_trainer_bitwise(tmp_path: Any) -> Non
     # optimizer step replays both without divergence
     assert [r.phase for r in reports[-2:]] == ["replay", "replay"]
     assert all(r.diverged_at is None for r in reports[-2:])
+
+
+def test_offload_trainer_with_layers_rebuilt_matches_the_plain_trainer_bitwise(tmp_path: Any) -> None:
+    """Recompute composes with the Trainer: every layer rebuilt in backward, the rest offloaded,
+    gradient accumulation on, the same losses and weights as the plain Trainer."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        plain = _train(_Plain, tmp_path, use_cache=False)
+        session = OffloadSession(OffloadConfig(max_resident_fraction=0.5, recompute="layers"))
+        offloaded = _train(_Offloaded, tmp_path, offload=session, use_cache=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert [x.item().hex() for x in offloaded.losses] == [x.item().hex() for x in plain.losses]
+    for a, b in zip(plain.model.parameters(), offloaded.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert any(r.bytes_recomputed > 0 for r in offloaded.reports)
+    assert all(r.peak_resident_bytes <= r.budget_bytes for r in offloaded.reports[1:])
 
 
 def test_offload_argument_is_checked() -> None:

@@ -88,9 +88,11 @@ def test_budgets_at_or_above_the_fast_path_floor_run_fast_from_the_second_replay
     session, paths, budget = _steps(fraction)
     own = session.last_report
     assert own is not None and own.fast_path_floor_bytes is not None
-    assert paths == [None, "checked", "fast", "fast", "fast"], (paths, budget, own.fast_path_floor_bytes,
-                                                                probe.last_report.fast_path_floor_bytes)
     plans = [p for st in session._structures.values() for p in st.sizes.values()]
+    assert paths == [None, "checked", "fast", "fast", "fast"], (
+        paths, budget, own.fast_path_floor_bytes, probe.last_report.fast_path_floor_bytes,
+        [(p.fast_refusal, p.refinements, p.packs is not None, p.program.planned_peak, p.floor.floor_bytes)
+         for p in plans], own)
     assert all(p.refinements <= 1 for p in plans), [p.refinements for p in plans]  # one re-plan at most
 
 
