@@ -38,8 +38,8 @@ from hyperpar.bench.result_file import provenance
 from hyperpar.offload import OffloadConfig, OffloadSession
 from hyperpar.offload.ir import ActivationTrace
 from hyperpar.offload.planning.arrays import kept_and_movable_peak, trace_arrays
-from hyperpar.offload.planning.floor import budget_floor
-from hyperpar.offload.projection import FastArithmetic, HostCosts, get_device, project
+from hyperpar.offload.projection import FastArithmetic, HostCosts, get_device
+from hyperpar.offload.projection.levers import project_at_budget
 
 log = logging.getLogger("whole_model_projection")
 HUGE_MB = float(1 << 30)
@@ -98,9 +98,7 @@ class Model:
 def _projected(trace: ActivationTrace, device: str, host: HostCosts, budget: int, movable_peak: int,
                kept: int, plain: bool = False) -> dict[str, Any]:
     """One strategy's projected step and the activation memory it keeps (% of the movable peak)."""
-    trace = replace(trace, memory_limit_bytes=budget)
-    floor = budget_floor(trace).floor_bytes
-    proj = project(trace, get_device(device), host, max(budget, floor))
+    proj, floor = project_at_budget(trace, get_device(device), host, budget)
     path = proj.plain if plain else proj.replay
     peak = (kept_and_movable_peak(trace_arrays(trace), trace.retained_sids)[1] if plain
             else proj.peak_bytes - kept)  # the plan's peak holds the kept bytes from the start

@@ -210,18 +210,18 @@ class RecomputeSteps:
 
         budget = trace.memory_limit_bytes
         with deficit_warnings_muted():
-            floor = budget_floor(trace).floor_bytes
-            limit = max(floor, budget)
             if self.config.plan_for is not None:
-                from hyperpar.offload.projection import HostCosts, get_device, project  # beside planning
+                from hyperpar.offload.projection import HostCosts, get_device  # beside planning
+                from hyperpar.offload.projection.levers import project_at_budget
 
                 # at plain's host cost per op: copies must hide behind the device's work, not
                 # behind the replay's own host overhead (a choice that hides them only there
                 # is one faster host away from waiting on the link)
                 host = HostCosts(replay_us=HostCosts().plain_us)
-                projection = project(trace, get_device(self.config.plan_for), host, limit)
+                projection, floor = project_at_budget(trace, get_device(self.config.plan_for), host, budget)
                 return projection.replay.step_us / 1e3, max(floor - budget, 0) + projection.deficit_bytes
-            planned = replace(trace, memory_limit_bytes=limit)
+            floor = budget_floor(trace).floor_bytes
+            planned = replace(trace, memory_limit_bytes=max(floor, budget))
             with arrays_given(planned, trace_arrays(planned)):
                 schedule = self.config.resolved_planner().build(planned)
                 return (float(simulate(planned, schedule).predicted_step_ms),

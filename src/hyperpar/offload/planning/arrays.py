@@ -181,22 +181,23 @@ def with_reads(arr: TraceArrays, op: np.ndarray, sid: np.ndarray) -> TraceArrays
 def resident_without_offload(arr: TraceArrays) -> np.ndarray:
     """Bytes alive at each op (int64), as ``ActivationTrace.resident_bytes_without_offload``,
     plus the budget's reserve for retained storages (``reserve_bytes``) where there is one."""
-    delta = np.zeros(arr.num_ops + 1, dtype=np.int64)
-    np.add.at(delta, arr.first_op, arr.size)
-    np.add.at(delta, arr.end_op + 1, -arr.size)
-    return with_reserve(np.cumsum(delta[:-1]), arr)
+    return with_reserve(_alive(arr, np.ones(len(arr.sids), dtype=bool)), arr)
 
 
 def kept_and_movable_peak(arr: TraceArrays, retained_sids: frozenset[int]) -> tuple[int, int]:
     """The bytes a step keeps after it (retained: parameter gradients, the loss, outputs) and
     the peak of the rest, the bytes a plan can take off the device (its movable peak)."""
-    delta = np.zeros(arr.num_ops + 1, dtype=np.int64)
-    movable = ~np.isin(arr.sids, np.fromiter(retained_sids, dtype=np.int64)) if retained_sids else \
-        np.ones(len(arr.sids), dtype=bool)
-    np.add.at(delta, arr.first_op[movable], arr.size[movable])
-    np.add.at(delta, arr.end_op[movable] + 1, -arr.size[movable])
-    resident = np.cumsum(delta[:-1])
+    movable = ~np.isin(arr.sids, np.fromiter(retained_sids, dtype=np.int64))
+    resident = _alive(arr, movable)
     return int(arr.size[~movable].sum()), int(resident.max()) if len(resident) else 0
+
+
+def _alive(arr: TraceArrays, which: np.ndarray) -> np.ndarray:
+    """Bytes of the storages ``which`` (a mask) alive at each op, from first op to ``end_op``."""
+    delta = np.zeros(arr.num_ops + 1, dtype=np.int64)
+    np.add.at(delta, arr.first_op[which], arr.size[which])
+    np.add.at(delta, arr.end_op[which] + 1, -arr.size[which])
+    return np.cumsum(delta[:-1])
 
 
 @dataclass(frozen=True)

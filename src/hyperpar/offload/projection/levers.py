@@ -21,7 +21,7 @@ from hyperpar.offload.planning.floor import budget_floor
 from hyperpar.offload.planning.levers.layer_blocks import forward_end_of, repeated_blocks
 from hyperpar.offload.planning.levers.rebuilt_trace import rebuilt_bytes, rebuilt_trace
 from hyperpar.offload.projection.devices import DeviceModel, HostCosts
-from hyperpar.offload.projection.timeline import project
+from hyperpar.offload.projection.timeline import Projection, project
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,15 @@ class LeverSteps:
         return asdict(self)
 
 
+def project_at_budget(trace: ActivationTrace, device: DeviceModel, host: HostCosts, budget_bytes: int,
+                      planner: str = "timed") -> tuple[Projection, int]:
+    """``trace`` projected at ``budget_bytes``, planned for its floor where that is higher (as a
+    session plans a budget below the floor), and that floor."""
+    trace = replace(trace, memory_limit_bytes=budget_bytes)
+    floor = budget_floor(trace).floor_bytes
+    return project(trace, device, host, max(budget_bytes, floor), planner), floor
+
+
 def lever_steps(trace: ActivationTrace, device: DeviceModel, host: HostCosts, fraction: float,
                 planner: str = "timed") -> LeverSteps:
     """Each lever's projected step for ``trace`` on ``device`` at ``fraction`` of its movable peak."""
@@ -61,9 +70,7 @@ def lever_steps(trace: ActivationTrace, device: DeviceModel, host: HostCosts, fr
     blocks = repeated_blocks(trace, forward_end)
 
     def step(t: ActivationTrace) -> tuple[float, int, int, bool]:
-        t = replace(t, memory_limit_bytes=budget)
-        floor = budget_floor(t).floor_bytes
-        proj = project(t, device, host, max(budget, floor), planner)
+        proj, floor = project_at_budget(t, device, host, budget, planner)
         return proj.replay.step_us / 1e3, proj.bytes_d2h, floor, floor <= budget
 
     plain = project(trace, device, host, trace.peak_bytes_without_offload() + kept, planner)

@@ -84,11 +84,17 @@ class RecomputeRegions:
         checks, self.checks = self.checks, []
         if not checks:
             return None
+        at: dict[torch.device, list[int]] = {}
+        for i, (_, _, flag) in enumerate(checks):
+            at.setdefault(flag.device, []).append(i)
+        differs = [False] * len(checks)
         with _disable_current_modes():  # the step's dispatch mode is still on: not one of its ops
-            differs = torch.stack([flag.to("cpu") for _, _, flag in checks])
-            if not bool(differs.any()):
-                return None
-            owner, k, _ = checks[int(differs.int().argmax())]
+            for where in at.values():  # one read per device
+                for i, d in zip(where, torch.stack([checks[i][2] for i in where]).tolist(), strict=True):
+                    differs[i] = d
+        if not any(differs):
+            return None
+        owner, k, _ = checks[differs.index(True)]
         return RecomputeMismatchError(
             f"recompute: {owner} run again in backward gave another output {k} than in forward (its "
             f"forward depends on state it changes, or is not deterministic): its gradients would be "
@@ -215,8 +221,8 @@ class _Rebuilt(torch.autograd.Function):
         if call.checks is not None:
             owner = type(getattr(call.forward, "__self__", call.forward)).__name__
             with torch.no_grad(), _disable_current_modes():  # on the device, read when the step ends
-                for k, (after, before) in enumerate(zip(_sums(outs), ctx.sums, strict=True)):
-                    call.checks.append((owner, k, torch.ne(after, before)))
+                for k, (o, before) in enumerate(zip(outs, ctx.sums, strict=True)):
+                    call.checks.append((owner, k, torch.ne(_bytes_sum(o), before)))
         pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad and g is not None]
         wrt = [x for x in again if x.requires_grad] + params
         got = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
