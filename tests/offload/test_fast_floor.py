@@ -15,6 +15,9 @@ from hyperpar.offload import OffloadConfig, OffloadSession
 from hyperpar.offload.planning.arrays import trace_arrays, with_reads
 from tests.offload.test_fast_replay import MIB
 
+# the planner's link fixed: these tests assert which path a plan takes (see conftest)
+pytestmark = pytest.mark.usefixtures("steady_link")
+
 LAYERS = 12
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
 import torch
 
 from hyperpar.offload import OffloadConfig, OffloadSession
@@ -18,6 +19,9 @@ from hyperpar.offload.capture.fast.saved_tensor_guard import covers
 from hyperpar.offload.runtime import HostPool, SyncCopyEngine
 from tests.offload.test_fast_moves import _budget, _settled
 from tests.offload.test_fast_replay import _aliasing, _plain_body, _run, _steps, _weights
+
+# the planner's link fixed: these tests assert which path a plan takes (see conftest)
+pytestmark = pytest.mark.usefixtures("steady_link")
 
 
 def _budget_at(length: int, fraction: float) -> int:

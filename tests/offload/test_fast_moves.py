@@ -25,6 +25,9 @@ from tests.offload.test_fast_replay import (
     _weights,
 )
 
+# the planner's link fixed: these tests assert which path a plan takes (see conftest)
+pytestmark = pytest.mark.usefixtures("steady_link")
+
 pytest.importorskip("transformers")
 
 

@@ -16,6 +16,9 @@ from hyperpar.offload.api.fast_steps import FAST_DEPARTURES
 from hyperpar.offload.capture import current_offload_mode
 from tests.step_context import step_context
 
+# the planner's link fixed: these tests assert which path a plan takes (see conftest)
+pytestmark = pytest.mark.usefixtures("steady_link")
+
 MIB = 1 << 20
 D = 32
 

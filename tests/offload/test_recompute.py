@@ -22,6 +22,9 @@ from hyperpar.offload.planning.levers import (
 )
 from tests.offload.test_fast_replay import MIB
 
+# the planner's link fixed: these tests assert which path a plan takes (see conftest)
+pytestmark = pytest.mark.usefixtures("steady_link")
+
 
 class Block(torch.nn.Module):
     """Many bytes, few FLOPs: a norm, an activation, a scale and dropout."""

@@ -23,6 +23,9 @@ from hyperpar.offload.runtime.stream_copy_engine import StreamCopyEngine
 from tests.offload.runtime.fake_streams import FakeStreams
 from tests.offload.test_fast_replay import MIB, Body, _run, _weights
 
+# the planner's link fixed: these tests assert which path a plan takes (see conftest)
+pytestmark = pytest.mark.usefixtures("steady_link")
+
 Alias = Callable[[torch.Tensor], torch.Tensor]
 Write = Callable[[torch.Tensor], Any]
 INPLACE = "modified by an inplace operation"

@@ -113,6 +113,7 @@ def test_fraction_budget_is_resolved_from_the_first_trace_and_keeps_gradients() 
     assert all(torch.equal(a, b) for a, b in zip(grads, plain, strict=True))
 
 
+@pytest.mark.usefixtures("steady_link")  # the plan's simulated bytes: on a fixed link
 def test_a_fraction_holds_the_movable_bytes_at_every_op() -> None:
     """The share is of the bytes a plan can move, at every op: with parameter gradients as
     large as the activations, a budget of the whole peak (gradients counted as activations)
