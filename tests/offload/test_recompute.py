@@ -105,9 +105,14 @@ def test_auto_rebuilds_where_the_link_of_the_device_planned_for_cannot_keep_up()
     choice = session._recompute_choice
     assert choice is not None and choice.regions and "rebuilt" in choice.why
     assert mixed[-1].bytes_recomputed > 0 and 0 < mixed[-1].bytes_d2h < alone[-1].bytes_d2h
-    # rebuilding what the link cannot hide and offloading the rest: that plan pages a block's
-    # input back in before forward ends, which the fast path cannot do yet (it stays checked)
     assert len(choice.regions) < 6
+    # rebuilding what the link cannot hide and offloading the rest runs fast: the plan for the
+    # fast path moves storages across forward's end only (one re-plan, where pinning each
+    # refused storage took five and stayed checked), and a block rebuilt in backward saves
+    # its paged-in input as the storage the plan knows
+    assert [r.replay_path for r in mixed[3:]] == ["checked", "fast"], mixed
+    plans = [p for st in session._structures.values() for p in st.sizes.values()]
+    assert max(p.refinements for p in plans) <= 1, [p.refinements for p in plans]
 
 
 def test_auto_leaves_a_plan_whose_copies_hide_alone() -> None:

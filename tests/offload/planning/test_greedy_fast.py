@@ -31,3 +31,38 @@ def test_gap_arrays_match_the_plain_gap_list() -> None:
                           g.size.tolist(), strict=True))
         plain = [(x.start, x.sid, x.end, x.copy_op, x.size) for x in find_gaps(trace)]
         assert fast == plain
+
+
+def test_a_gap_boundary_keeps_only_gaps_the_fast_path_can_run() -> None:
+    """Backward starts at op 6. Storage 1: a gap within forward (its copy back in would come in
+    forward), one across, one within backward (its bytes last written in forward: its host copy
+    stands). Storage 2 is written again in backward: its last gap's copy out would be there."""
+    from dataclasses import replace
+
+    from hyperpar.offload.planning.timed import TimedPlanner
+    from tests.offload.planning.trace_builders import make_trace
+
+    ops = ["w1 w2", "r1", "x", "x", "r1 r2", "x", "x", "x", "r1", "x", "x", "r1 w2", "x", "x", "r2"]
+    trace = make_trace([o.replace("x", "") for o in ops], {1: 100, 2: 100}, budget=100,
+                       d2h_gbps=1.0, h2d_gbps=1.0)
+    arrays = trace_arrays(trace)
+    every = gap_arrays(arrays)
+    assert sorted(zip(every.sid.tolist(), every.start.tolist(), every.end.tolist(), strict=True)) == [
+        (1, 1, 4), (1, 4, 8), (1, 8, 11), (2, 0, 4), (2, 4, 11), (2, 11, 14)]
+    bounded = gap_arrays(replace(arrays, gap_boundary=6))
+    assert sorted(zip(bounded.sid.tolist(), bounded.start.tolist(), bounded.end.tolist(), strict=True)) == [
+        (1, 4, 8), (1, 8, 11), (2, 4, 11)]
+    # the timed planner issues a bounded plan's copies back in after backward's first op ("pre"
+    # of op i: issued before it, after op i - 1)
+    from hyperpar.offload.ir import ResidencyActionType as Act
+    from hyperpar.offload.planning.arrays import arrays_given
+
+    tight = replace(trace, memory_limit_bytes=0)
+
+    def h2d_ops(schedule: object) -> list[int]:
+        return [i - (where == "pre") for i, where, a in schedule.actions() if a.kind is Act.COPY_H2D]
+
+    free = h2d_ops(TimedPlanner().build(tight))
+    with arrays_given(tight, replace(trace_arrays(tight), gap_boundary=6)):
+        fast = h2d_ops(TimedPlanner().build(tight))
+    assert min(free) < 6 and fast and min(fast) >= 6, (free, fast)

@@ -258,12 +258,16 @@ class FastSteps:
                     ) -> tuple[ActivationTrace, PackedTrace, TraceArrays]:
         """``plan``'s trace with ``pinned`` kept on the device, packed, and its arrays with
         the spans Python held saved storages in forward as reads (``EventLog.held_reads``):
-        what a plan the fast path can run is planned on."""
+        what a plan the fast path can run is planned on; it moves storages across the step's
+        turn from forward to backward only (``TraceArrays.gap_boundary``), as the fast path
+        does, so one re-plan suffices where pinning each refused storage in turn took many
+        (a step with calls rebuilt in backward: five, and still one refused)."""
         trace = replace(plan.trace, pinned_sids=pinned)
         packed = PackedTrace(trace, plan.packed)
         arrays = packed_trace_arrays(trace, packed)
         if events is not None:
             arrays = with_reads(arrays, *events.held_reads(frozenset(trace.storage_sizes) - pinned))
+            arrays = replace(arrays, gap_boundary=events.backward_op())
         return trace, packed, arrays
 
     def _scheduled(self, plan: Plan, events: EventLog) -> Plan | None:

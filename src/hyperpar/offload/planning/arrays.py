@@ -32,6 +32,11 @@ class TraceArrays:
     # per op, bytes the budget holds for retained storages not yet allocated there (a trace
     # with ``reserve_retained``; None: none). Every residency count of planning adds them.
     reserve_bytes: np.ndarray | None = None
+    # backward's first op: only gaps whose bytes were last written before it and that end at
+    # or after it are candidates (None: any). A plan for the fast path, which copies a storage
+    # out at a saved-tensor event in forward and back in backward, never both within forward
+    # nor out within backward (a step with calls rebuilt in backward saves tensors there too)
+    gap_boundary: int | None = None
 
 
 # Arrays a caller already has for a trace (see ``arrays_given``): id(trace) -> (trace, arrays)
@@ -175,6 +180,7 @@ def with_reads(arr: TraceArrays, op: np.ndarray, sid: np.ndarray) -> TraceArrays
         size=arr.size,
         pinned_sids=arr.pinned_sids,
         reserve_bytes=arr.reserve_bytes,
+        gap_boundary=arr.gap_boundary,
     )
 
 
@@ -231,6 +237,8 @@ def gap_arrays(arr: TraceArrays) -> GapArrays:
     pick = np.flatnonzero(same & long_enough)
     if len(arr.pinned_sids):
         pick = pick[~np.isin(sid[pick], arr.pinned_sids)]
+    if arr.gap_boundary is not None:  # copied out (from the last write) in forward, back in backward
+        pick = pick[(latest_write[pick] < arr.gap_boundary) & (op[pick + 1] >= arr.gap_boundary)]
     return GapArrays(
         sid=sid[pick],
         start=op[pick],

@@ -105,6 +105,7 @@ class _TimedPlan:
         self.op_start = self.op_end - dur
         g: GapArrays = gap_arrays(arr)
         self.gaps = g
+        self.boundary = arr.gap_boundary  # copies back in after it (the fast path's turn to backward)
         self.d2h_ms = g.size * ms_per_byte(trace.d2h_bandwidth_gbps)
         self.h2d_ms = g.size * ms_per_byte(trace.h2d_bandwidth_gbps)
         # each gap alone on the lanes
@@ -126,7 +127,8 @@ class _TimedPlan:
         start, end = self.gaps.start, self.gaps.end
         if which is not None:
             start, end = start[which], end[which]
-        return np.clip(j, start + 1, end)
+        lowest = start + 1 if self.boundary is None else np.maximum(start + 1, self.boundary + 1)
+        return np.minimum(np.maximum(j, lowest), end)
 
     def run(self, max_rounds: int) -> int:
         if self.n == 0 or int(self.base.max()) <= self.budget:

@@ -127,6 +127,9 @@ class MovingStep:
         self._slab_bytes = 0
         self._cut = 0
         self._own: list[Tensor] = []  # slabs of storages past the step's slab
+        # paged-in copies -> their slot: where a checked replay pages a storage back in place,
+        # this path makes a new one, which a call rebuilt in backward saves again (the same slot)
+        self._paged: dict[int, tuple[int, weakref.ref]] = {}
 
     def pack(self, t: Tensor, slot: int, version: int, shape: Any, dtype: torch.dtype,
              offset: int) -> tuple[Any, ...]:
@@ -194,7 +197,7 @@ class MovingStep:
         if storage is None:
             storage = s.device
         if storage is None:
-            storage = self._page_in(s)
+            storage = self._page_in(s, slot)
             self.demand_faults += 1
         if s.h2d is not None:
             self.engine.wait(s.h2d)
@@ -304,7 +307,7 @@ class MovingStep:
                 out = True
             elif code == H2D:
                 if s.device is None and s.host is not None:
-                    self._page_in(s)
+                    self._page_in(s, slot)
             elif s.host is not None and s.device is not None:  # a release: only with a host copy
                 s.view = None
                 out = True
@@ -361,14 +364,20 @@ class MovingStep:
             self._shared(s.d2h)  # the user may write the storage meanwhile (a torn copy is never used)
         self.bytes_d2h += s.nbytes
 
-    def _page_in(self, s: _Slot) -> torch.UntypedStorage:
+    def _page_in(self, s: _Slot, slot: int = -1) -> torch.UntypedStorage:
         assert s.host is not None
         dst = torch.empty(s.nbytes, dtype=torch.uint8, device=self.device)
         after = s.d2h if s.d2h is not None and not self.engine.is_done(s.d2h) else None
         s.h2d = self.engine.copy_h2d(dst, s.host, after, -1)
         s.device = storage = dst.untyped_storage()
+        self._paged[id(storage)] = (slot, weakref.ref(storage))
         self.bytes_h2d += s.nbytes
         return storage
+
+    def paged_slot(self, storage: torch.UntypedStorage) -> int | None:
+        """The slot whose paged-in copy ``storage`` is, or None."""
+        known = self._paged.get(id(storage))
+        return known[0] if known is not None and known[1]() is storage and known[0] >= 0 else None
 
     def _forward_ended(self) -> None:
         """What forward released that Python still holds (at the first unpack, or the step's
@@ -385,6 +394,7 @@ class MovingStep:
         slots = list(self.slots.values())
         self.slots.clear()
         self._held.clear()
+        self._paged.clear()
         while slots:
             s = slots.pop()
             if s.host is not None and s.device is None and sys.getrefcount(s) > _UNHELD:

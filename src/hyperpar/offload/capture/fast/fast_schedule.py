@@ -103,6 +103,10 @@ class EventLog:
         saved = {sid for slot, sid in self.slot_sid.items() if sid >= 0 and slot in forward}
         return frozenset(sids - saved) | (frozenset(self.slot_sid[slot] for slot in self.held) & sids)
 
+    def backward_op(self) -> int | None:
+        """The op backward began at (the ops run when the first unpack came), or None."""
+        return next((self.clock[e] for e, unpack in enumerate(self.unpack) if unpack), None)
+
     def held_reads(self, movable: frozenset[int]) -> tuple[np.ndarray, np.ndarray]:
         """Per op and storage (of ``movable``): where Python held it in forward, as reads a
         plan must respect (ops, sids): the fast path cannot free it there, so a plan that

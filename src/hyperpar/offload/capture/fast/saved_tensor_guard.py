@@ -97,8 +97,13 @@ class SavedTensorGuard:
         # a Python storage object lives as long as its storage (torch preserves it), so its
         # id names it while it lives; the weak reference tells a new one at a dead one's id
         known = self._slots.get(id(st))
+        paged = None if self.moving is None or (known is not None and known[1]() is st) \
+            else self.moving.paged_slot(st)
         if known is not None and known[1]() is st:
             slot = known[0]
+        elif paged is not None:  # the fast path's copy of a slot paged back in: that slot
+            slot = paged
+            self._slots[id(st)] = (slot, weakref.ref(st))
         else:
             ref = weakref.ref(st)
             base = t._base
