@@ -61,7 +61,7 @@ class OffloadConfig:
     # Rebuild module calls in backward instead of keeping what they save: "auto" where it
     # costs less than the copies an offload-only plan cannot hide, "layers" every repeated
     # block (full checkpointing per layer), "off" (default, for now: a rebuilding step is
-    # traced again, and the fast path copies out in forward only) never
+    # traced again, and what its backward saves again stays on the device on the fast path) never
     recompute: str = "off"
     # Plan for another device than the one the session runs on: "h100", "h200", "a100" (the
     # models of ``hyperpar.offload.projection``), for the recompute choice and the offload
