@@ -94,6 +94,15 @@ def test_layers_checkpoints_every_block_bitwise_and_needs_no_copies() -> None:
     assert reports[0].bytes_d2h > 0 and reports[-1].bytes_d2h == 0  # rebuilding freed enough
     assert reports[-1].peak_resident_bytes < reports[1].peak_resident_bytes
     assert session._recompute is not None and session._recompute.names == ["Block"] * 6
+    # the two levers' floors side by side. A floor is one op's own bytes plus the kept ones:
+    # rebuilding adds ops (their working sets too) and moves none, so it never lowers it; what
+    # it changes is how fast a budget near the floor runs (copies the link cannot hide)
+    assert [r.offload_only_floor_bytes is not None for r in reports] == [False, False, True, True, True, True]
+    last = reports[-1]
+    assert last.min_feasible_budget_bytes is not None and last.offload_only_floor_bytes is not None
+    assert last.offload_only_floor_bytes == reports[1].min_feasible_budget_bytes
+    assert last.min_feasible_budget_bytes >= last.offload_only_floor_bytes, last
+    assert f"(offload only: {last.offload_only_floor_bytes / MIB:.1f} MiB)" in str(last)
 
 
 def test_auto_rebuilds_where_the_link_of_the_device_planned_for_cannot_keep_up() -> None:

@@ -26,6 +26,7 @@ from hyperpar.offload.ir import ActivationTrace
 from hyperpar.offload.ir.report import StepReport
 from hyperpar.offload.planning.arrays import TraceArrays, arrays_given, resident_without_offload, trace_arrays
 from hyperpar.offload.planning.deficit_warnings import deficit_warnings_muted
+from hyperpar.offload.planning.floor import budget_floor
 from hyperpar.offload.planning.levers import (
     RecomputeChoice,
     choose_recompute,
@@ -53,6 +54,7 @@ class RecomputeSteps:
     _recompute_applied: bool  # the running (or last) step ran with the chosen calls checkpointed
     _want_spans: bool  # the next checked replay records module calls for the choice
     _recompute_trusted: bool  # a step compared every rebuilt output with forward's: later ones need not
+    _offload_only_floor: int | None  # the floor of the step the choice was made on (nothing rebuilt)
 
     def _recompute_init(self) -> None:
         self._recompute = None  # module calls rebuilt in backward, chosen once
@@ -62,6 +64,7 @@ class RecomputeSteps:
         self._recompute_applied = False
         self._want_spans = False
         self._recompute_trusted = False
+        self._offload_only_floor = None
 
     def _recompute_enter(self, executor: ExecutorBase | None) -> None:
         """At a step's start: the chosen calls checkpointed; on the checked replay the choice
@@ -98,6 +101,7 @@ class RecomputeSteps:
         """The step's report: what its checkpointed calls did not keep (none before the choice)."""
         if self._recompute is not None and self._recompute_applied:
             report.bytes_recomputed = self._recompute.step_bytes
+            report.offload_only_floor_bytes = self._offload_only_floor
 
     def _recompute_costs(self, trace: ActivationTrace, arrays: TraceArrays, predicted_ms: float
                          ) -> tuple[TraceArrays, float, float, float, float, int]:
@@ -172,6 +176,8 @@ class RecomputeSteps:
         if not choice.regions:
             logger.info("recompute: none (%s)", choice.why)
             return
+        with arrays_given(trace, arrays):
+            self._offload_only_floor = budget_floor(trace).floor_bytes
         self._recompute = RecomputeRegions([modules[r.key] for r in choice.regions],
                                            [r.freed_bytes // len(r.spans) for r in choice.regions])
         self._next[signature] = None  # the step with the rebuilt calls is another step: trace it
@@ -206,7 +212,6 @@ class RecomputeSteps:
         """The step ``trace`` predicts at its budget (planned for its floor where that is
         higher) and the bytes its plan stays over the budget."""
         from hyperpar.offload.planning import simulate
-        from hyperpar.offload.planning.floor import budget_floor
 
         budget = trace.memory_limit_bytes
         with deficit_warnings_muted():

@@ -51,6 +51,9 @@ class StepReport:
     # Bytes the step's checkpointed module calls did not keep for backward (rebuilt there
     # instead), as the plan counted them on the first trace; 0 without recompute.
     bytes_recomputed: int = 0
+    # Once calls are rebuilt: the floor of the step without them (offload alone; the floor
+    # above is the rebuilt step's), so the two levers' least budgets stand side by side
+    offload_only_floor_bytes: int | None = None
     # The plan's trace: the bytes kept after the step (parameter gradients, the loss, outputs)
     # and the peak of the others without offload, the movable activation peak that
     # ``max_resident_fraction`` is a share of (None before a plan exists)
@@ -77,6 +80,8 @@ class StepReport:
             text += (f", floor {self.min_feasible_budget_bytes / mib:.1f} MiB "
                      f"({(self.unmovable_retained_bytes or 0) / mib:.1f} retained + "
                      f"{(self.unmovable_working_set_bytes or 0) / mib:.1f} working set)")
+        if self.offload_only_floor_bytes is not None:
+            text += f" (offload only: {self.offload_only_floor_bytes / mib:.1f} MiB)"
         if self.fast_path_floor_bytes is not None:
             text += f", fast-path floor {self.fast_path_floor_bytes / mib:.1f} MiB"
         if self.movable_peak_bytes is not None:
