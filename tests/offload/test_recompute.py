@@ -365,3 +365,88 @@ def test_rebuilt_outputs_are_compared_on_the_first_step_and_with_verify_on_every
     applied = [r.bytes_recomputed > 0 for r in reports]
     assert applied == [False, False, True, True, True, True]
     assert compared[0] > 0 and compared[1:] == ([compared[0]] * 3 if verify else [0, 0, 0])
+
+
+def test_a_call_writing_a_storage_made_before_it_is_no_region() -> None:
+    """Call 7 (op 1) writes storage 1, made at op 0 before it (its input): run again in backward
+    it would start from the bytes it wrote. Call 8 (op 2) writes only what it makes."""
+    arr = _arrays([0.01, 0.01, 0.01, 0.1, 0.1], [(0, 1), (1, 1), (1, 2), (2, 3), (4, 2), (4, 3)],
+                  {1: 10**6, 2: 10**6, 3: 10**6})
+    write = arr.access_write.copy()
+    write[(arr.access_op == 1) & (arr.access_sid == 1)] = True
+    write[(arr.access_op == 2) & (arr.access_sid == 3)] = True
+    from dataclasses import replace
+
+    regions = regions_of(replace(arr, access_write=write), [(7, 1, 2, 1), (8, 2, 3, 1)], 1.0, 1.0)
+    assert [r.key for r in regions] == [8]
+    assert sorted(r.key for r in regions_of(arr, [(7, 1, 2, 1), (8, 2, 3, 1)], 1.0, 1.0)) == [7, 8]
+
+
+class InPlaceBlock(torch.nn.Module):
+    """Writes its input in place after an op that saves nothing (plain autograd allows it)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.randn(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x + self.bias
+        x.mul_(0.5)
+        return torch.tanh(y) + x
+
+
+class NormBlock(torch.nn.Module):
+    """BatchNorm in training: every call updates its running statistics."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(width, width)
+        self.bn = torch.nn.BatchNorm1d(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.bn(self.lin(x)))
+
+
+def _blocks(block: type[torch.nn.Module], width: int = 64) -> torch.nn.Module:
+    torch.manual_seed(0)
+
+    class Stack(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(block(width) for _ in range(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = x * 1.0
+            for b in self.blocks:
+                x = b(x) * 1.0
+            return x.square().mean()
+
+    return Stack()
+
+
+@pytest.mark.parametrize("block", [InPlaceBlock, NormBlock], ids=["writes its input", "batchnorm"])
+def test_blocks_that_write_state_stay_bitwise_gradients_and_buffers(block: type[torch.nn.Module]) -> None:
+    """A block writing its input in place is not rebuilt (was: torch's leaf-variable error at
+    the first rebuilt step); BatchNorm blocks are, and their running statistics and counters
+    end each step as plain PyTorch's (were: updated again by the run in backward, silently)."""
+    torch.set_num_threads(1)
+    x = torch.randn(128, 64, generator=torch.Generator().manual_seed(0))
+    plain, off = _blocks(block), _blocks(block)
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=1e6, recompute="layers"))
+    reports = []
+    for _ in range(6):
+        plain(x).backward()
+        with session:
+            off(x).backward()
+        reports.append(session.last_report)
+        pairs = zip(plain.parameters(), off.parameters(), strict=True)
+        assert all(torch.equal(a.grad, b.grad) for a, b in pairs)
+        assert all(torch.equal(a, b) for a, b in zip(plain.buffers(), off.buffers(), strict=True))
+        plain.zero_grad(set_to_none=True)
+        off.zero_grad(set_to_none=True)
+    rebuilt = [] if session._recompute is None else session._recompute.names
+    if block is InPlaceBlock:
+        assert "InPlaceBlock" not in rebuilt and all(r.bytes_recomputed == 0 for r in reports), rebuilt
+    else:
+        assert rebuilt == ["NormBlock"] * 4 and reports[-1].bytes_recomputed > 0
+        assert reports[-1].replay_path == "fast", [r.replay_path for r in reports]

@@ -7,7 +7,10 @@ saves, its tensor inputs saved through autograd's saved-tensor hooks (a session'
 sees them as saved tensors and can offload them; a write to one since forward raises at
 backward, as for any saved tensor), and in backward it runs again from them with the
 random-number and autocast state forward had, so a rebuilt tensor is bitwise the one forward
-made. Two guards keep a second run honest: a call handed an object it could change (a KV
+made. The buffers a call writes (BatchNorm's running statistics) are put back after the
+run in backward as forward left them (``_StateKept``), and a call that writes a storage made
+before it (its input) is never chosen (``planning.levers``). Two guards keep a second run
+honest: a call handed an object it could change (a KV
 cache) is not rebuilt, and on a checked step every rebuilt output is compared with its
 forward bytes (a sum of its words, compared on the device and read once when the step ends:
 no synchronization per call, and the step raises before its gradients are used). The session
@@ -49,6 +52,9 @@ class RecomputeRegions:
         self.step_bytes = 0  # of the running (or last) step: the calls it did rebuild
         # the step's rebuilt outputs: (module name, output index, whether its bytes differ)
         self.checks: list[tuple[str, int, torch.Tensor]] = []
+        # id(module) -> the buffers its call wrote (BatchNorm's running statistics): a run
+        # again in backward must leave them as forward did (``_StateKept``)
+        self._mutated: dict[int, tuple[str, ...]] = {}
 
     @contextmanager
     def applied(self, check: bool = True) -> Iterator[None]:
@@ -65,7 +71,8 @@ class RecomputeRegions:
                 before = module.__dict__.get("forward", _ABSENT)
                 rebuilt = functools.partial(self._rebuilt, nbytes)
                 checks = self.checks if check else None
-                module.forward = _checkpointed(module.forward, rebuilt, checks)  # type: ignore[method-assign]
+                module.forward = _checkpointed(module.forward, rebuilt, checks,  # type: ignore[method-assign]
+                                               self._mutated)
                 patched.append((module, before))
             yield
         finally:
@@ -105,7 +112,8 @@ _ABSENT = object()
 
 
 def _checkpointed(forward: Callable[..., Any], rebuilt: Callable[[], None],
-                  checks: list[tuple[str, int, torch.Tensor]] | None) -> Callable[..., Any]:
+                  checks: list[tuple[str, int, torch.Tensor]] | None,
+                  mutated: dict[int, tuple[str, ...]]) -> Callable[..., Any]:
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # nothing is saved without grad: plain call
@@ -122,13 +130,76 @@ def _checkpointed(forward: Callable[..., Any], rebuilt: Callable[[], None],
         if not at:  # nothing to keep: torch's own checkpoint (its inputs are Python's)
             rebuilt()
             return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
-        call = _Call(forward, leaves, spec, at, params, checks)
+        call = _Call(_StateKept(forward, module, mutated), leaves, spec, at, params, checks)
         flat = _Rebuilt.apply(call, *[leaves[i] for i in at], *params)
         rebuilt()
         return call.output(flat)
 
     run.__hyperpar_recompute__ = True  # type: ignore[attr-defined]
     return run
+
+
+class _StateKept:
+    """A call's forward, and what its first run did to the module's buffers, so the run again
+    in backward (``rerun``) leaves them as the first run left them (BatchNorm in training
+    updates its running statistics at every call): it starts from the buffers as they were
+    before the first run, where a previous step said which the call writes, and they are put
+    back when its backward is done (its graph may have saved them: not before). Writes in
+    place and buffers assigned anew alike (by name).
+    """
+
+    def __init__(self, forward: Callable[..., Any], module: Any, mutated: dict[int, tuple[str, ...]]) -> None:
+        self.forward, self.module, self.mutated = forward, module, mutated
+        self.ran = False
+        self.before: dict[str, torch.Tensor] = {}  # the written buffers' values before the first run
+        self.written: tuple[str, ...] = ()
+
+    def _buffers(self) -> dict[str, torch.Tensor]:
+        return dict(self.module.named_buffers()) if isinstance(self.module, torch.nn.Module) else {}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.ran:
+            return self.forward(*args, **kwargs)
+        self.ran = True
+        buffers = self._buffers()
+        if not buffers:
+            return self.forward(*args, **kwargs)
+        known = self.mutated.get(id(self.module), ())
+        with torch.no_grad(), _disable_current_modes():
+            self.before = {n: buffers[n].clone() for n in known if n in buffers}
+        seen = {n: (b, b._version) for n, b in buffers.items()}
+        out = self.forward(*args, **kwargs)
+        after = self._buffers()
+        written = {n for n, (b, v) in seen.items() if after.get(n) is not b or b._version != v}
+        # a kernel may write a buffer without a version (BatchNorm's running statistics; its
+        # counter has one): every buffer of a submodule that wrote one counts as written
+        owners = {n.rpartition(".")[0] for n in written}
+        self.written = tuple(n for n in seen if n in written or n.rpartition(".")[0] in owners)
+        self.mutated[id(self.module)] = self.written
+        return out
+
+    @contextmanager
+    def rerun(self) -> Iterator[None]:
+        """Around the run again and its backward."""
+        if not self.written:
+            yield
+            return
+        buffers = self._buffers()
+        left = {n: buffers[n] for n in self.written if n in buffers}  # as the first run left them
+        with torch.no_grad(), _disable_current_modes():
+            kept = {n: b.clone() for n, b in left.items()}
+            for n, b in self.before.items():
+                if n in left:
+                    left[n].copy_(b)
+        try:
+            yield
+        finally:
+            with torch.no_grad(), _disable_current_modes():
+                for n, b in left.items():
+                    owner, _, leaf = n.rpartition(".")
+                    holder = self.module.get_submodule(owner) if owner else self.module
+                    setattr(holder, leaf, b)  # the object the first run left (if assigned anew since)
+                    b.copy_(kept[n])
 
 
 _PLAIN = (torch.Tensor, type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
@@ -167,6 +238,15 @@ class _Call:
         self.out_leaves: list[Any] = []
         self.out_spec: TreeSpec | None = None
         self.out_at: list[int] = []
+
+    def rerun(self) -> contextlib.AbstractContextManager[None]:
+        """Around the run again in backward and its backward (``_StateKept.rerun``)."""
+        return self.forward.rerun() if isinstance(self.forward, _StateKept) else contextlib.nullcontext()
+
+    @property
+    def owner(self) -> str:
+        forward = self.forward.forward if isinstance(self.forward, _StateKept) else self.forward
+        return type(getattr(forward, "__self__", forward)).__name__
 
     def call(self, tensors: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> list[torch.Tensor]:
         leaves = list(self.leaves)
@@ -212,14 +292,19 @@ class _Rebuilt(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # type: ignore[override]
         call: _Call = ctx.call
         inputs = ctx.saved_tensors
-        params = call.params
         again = [x.detach().requires_grad_(x.requires_grad) for x in inputs]
+        with call.rerun():
+            return _Rebuilt._again(ctx, call, again, grads)
+
+    @staticmethod
+    def _again(ctx: Any, call: _Call, again: list[torch.Tensor], grads: tuple[torch.Tensor, ...]) -> Any:
+        params = call.params
         with ctx.rng.restored(), torch.enable_grad(), contextlib.ExitStack() as stack:
             for device, enabled, dtype in ctx.autocast:
                 stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
             outs = call.call(again)
         if call.checks is not None:
-            owner = type(getattr(call.forward, "__self__", call.forward)).__name__
+            owner = call.owner
             with torch.no_grad(), _disable_current_modes():  # on the device, read when the step ends
                 for k, (o, before) in enumerate(zip(outs, ctx.sums, strict=True)):
                     call.checks.append((owner, k, torch.ne(_bytes_sum(o), before)))

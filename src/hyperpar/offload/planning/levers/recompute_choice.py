@@ -1,6 +1,8 @@
 """Which module calls to rebuild in backward instead of keeping what they save, by cost.
 
-A region is a module (all its forward calls in the step). Rebuilding it costs its forward
+A region is a module (all its forward calls in the step), unless a call writes in place a
+storage made before it (its input): run again, it would start from the bytes it wrote.
+Rebuilding it costs its forward
 ops again in backward (their recorded durations); it frees the bytes its ops save for
 backward that nothing after the call reads in forward (its own outputs stay: the next
 call reads them, and a checkpointed call keeps its inputs). Offloading those bytes instead
@@ -68,8 +70,14 @@ def regions_of(arrays: TraceArrays, calls: list[tuple[int, int, int, int]], d2h_
     for key, first, end, depth in calls:
         per_key[key].append((first, end, depth))
     link = 1.0 / (d2h_gbps * GBPS_TO_BYTES_PER_MS) + 1.0 / (h2d_gbps * GBPS_TO_BYTES_PER_MS)
+    # writes in place to storages made before the op: a call doing one to a storage made
+    # before it (its input, say) would run again from the bytes it wrote (and write them twice)
+    w = arrays.access_write & (arrays.first_op[dense] < arrays.access_op)
+    w_op, w_first = arrays.access_op[w], arrays.first_op[dense[w]]
     regions = []
     for key, spans in per_key.items():
+        if any(np.any((w_op >= f) & (w_op < e) & (w_first < f)) for f, e, _ in spans):
+            continue
         freed = 0
         ms = 0.0
         for first, end, _ in spans:
