@@ -12,11 +12,12 @@ import torch.multiprocessing as mp
 
 import hyperpar.commands.demo as demo_command
 from hyperpar.cli import main
-from hyperpar.demo.dense import DemoSpec, SideBySide, train_dense, train_side_by_side
+from hyperpar.demo.dense import DemoSpec, SideBySide, measure_activation_peak, train_dense, train_side_by_side
 from hyperpar.demo.moe_ranks import MoeRunError, MoeSettings, run_moe_ranks
 from hyperpar.demo.results import DemoResult, RunResult
 from hyperpar.demo.table import cpu_ratio, render, timing_note
 from hyperpar.models import GPTConfig
+from hyperpar.offload import OffloadConfig
 
 TINY = ["demo", "--size", "tiny", "--steps", "2", "--no-moe"]
 
@@ -29,7 +30,9 @@ def test_tiny_run_writes_equal_losses_and_png(tmp_path: Path, capsys: pytest.Cap
     runs = doc["runs"]
     assert runs["baseline"]["losses_hex"] == runs["repeat"]["losses_hex"] == runs["offload"]["losses_hex"]
     assert doc["plain_repeats"] is True and doc["plain_differences"] == [] and doc["settings"]["threads"] == 1
-    assert runs["offload"]["budget_bytes"] == int(runs["baseline"]["peak_activation_bytes"] * 0.3)
+    settings = doc["settings"]  # 30 % of the movable activation peak, the kept bytes beside it
+    budget = int(settings["movable_peak_bytes"] * 0.3) + settings["kept_bytes"]
+    assert runs["offload"]["budget_bytes"] == budget
     floor = runs["offload"]["min_feasible_budget_bytes"]
     assert floor == runs["offload"]["reports"][-1]["min_feasible_budget_bytes"] > 0
     assert doc["settings"]["moe_ranks"] == 0 and "moe x2" not in doc["runs"]
@@ -41,6 +44,29 @@ def test_tiny_run_writes_equal_losses_and_png(tmp_path: Path, capsys: pytest.Cap
     fast_floor = runs["offload"]["fast_path_floor_bytes"]  # known from the checked replay (step 2)
     assert fast_floor == runs["offload"]["reports"][-1]["fast_path_floor_bytes"] >= floor
     assert "fast-path floor" in out and f"{fast_floor / (1 << 20):.2f}" in out
+
+
+def test_budget_fraction_is_of_the_movable_peak_with_the_kept_bytes_beside_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--budget-fraction means what OffloadConfig.max_resident_fraction means: a share of the
+    bytes a plan can move, not of a peak that counts parameter gradients as activations."""
+    spec = DemoSpec(cfg=GPTConfig.tiny(), batch_size=2, seed=0, device=torch.device("cpu"))
+    probe = measure_activation_peak(spec)
+    # small batch: the parameter gradients are a large share of the step's bytes
+    assert probe.kept_bytes > 0.2 * probe.movable_peak_bytes
+    config = OffloadConfig(max_resident_fraction=0.4)
+    want = config.budget_for_peak(probe.movable_peak_bytes, probe.kept_bytes)
+    assert probe.budget(0.4) == want != max(1, int(probe.peak_bytes * 0.4))  # the old arithmetic
+    assert main([*TINY, "--batch-size", "2", "--budget-fraction", "0.4", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "demo.json").read_text())
+    settings, offload = doc["settings"], doc["runs"]["offload"]
+    assert (settings["movable_peak_bytes"], settings["kept_bytes"]) == (probe.movable_peak_bytes,
+                                                                        probe.kept_bytes)
+    assert settings["budget_fraction_of"].startswith("movable activation peak")
+    assert offload["budget_bytes"] == want == offload["reports"][-1]["budget_bytes"]
+    assert doc["runs"]["baseline"]["peak_activation_bytes"] == probe.peak_bytes
+    out = capsys.readouterr().out
+    assert f"offload budget {want / (1 << 20):.2f} MiB (40% of the movable activation peak" in out
 
 
 def _spoil(monkeypatch: pytest.MonkeyPatch, run: str, what: str) -> None:

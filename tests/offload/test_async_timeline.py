@@ -1,4 +1,4 @@
-"""StepReport timing fields and the Chrome trace of the last replay."""
+"""StepReport timing fields and the Chrome trace of the last replay (and what it rebuilt)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import torch
 
 from hyperpar.models import GPT, GPTConfig, random_batch
 from hyperpar.offload import OffloadConfig, OffloadSession
+from hyperpar.offload.api.session import STEP_TOTALS
+from tests.offload.test_recompute import _steps
 
 
 def _run(session: OffloadSession, steps: int) -> None:
@@ -67,3 +69,22 @@ def test_report_fills_predicted_and_exposed_wait_and_warmup_times_ops(
     assert sum(op.duration_ms for op in session.trace.ops) > 0
     assert session.trace.d2h_bandwidth_gbps > 0 and session.trace.h2d_bandwidth_gbps > 0
     assert session.link_bandwidth is not None and session.link_bandwidth["engine"] == "thread"
+
+
+@pytest.mark.usefixtures("steady_link")  # the recompute tests' paths: the planner's link fixed
+@pytest.mark.parametrize("recompute", ["layers", "off"])
+def test_chrome_trace_says_what_the_step_rebuilt(tmp_path: Path, recompute: str) -> None:
+    """Rebuilt module calls show in the timeline only as more ops: the trace carries the
+    step's three choices (kept on the device, offloaded, rebuilt) as totals too."""
+    session, reports = _steps(0.5, recompute=recompute, timeline=True)
+    checked = [r for r in reports if r.replay_path == "checked"][-1]  # the last timed replay
+    doc = json.loads(session.export_chrome_trace(tmp_path / "t.json").read_text())
+    totals = doc["otherData"]["step"]
+    markers = [e for e in doc["traceEvents"] if e["ph"] == "i" and e["name"] == "step"]
+    assert len(markers) == 1 and markers[0]["args"] == totals
+    assert totals == {name: getattr(checked, name) for name in STEP_TOTALS}
+    assert {"bytes_d2h", "bytes_h2d", "bytes_recomputed"} <= totals.keys()
+    if recompute == "layers":
+        assert totals["bytes_recomputed"] > 0 and totals["bytes_recomputed"] == reports[-1].bytes_recomputed
+    else:
+        assert totals["bytes_recomputed"] == 0 and totals["bytes_d2h"] > 0

@@ -79,8 +79,9 @@ def _positive_float(text: str) -> float:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = textwrap.fill(
         "Train a small GPT (built in, random data) three ways: plain PyTorch (twice, to check that it "
-        "repeats itself bit for bit), with offload at a fraction of the measured activation peak (losses "
-        "and weights must be bitwise equal to plain), and with an MoE feed-forward on spawned ranks. "
+        "repeats itself bit for bit), with offload at a fraction of the measured movable activation peak "
+        "plus the bytes the step keeps (losses and weights must be bitwise equal to plain), and with an "
+        "MoE feed-forward on spawned ranks. "
         "Writes demo.json, the trace, the schedule and a PNG under --out.", 78)
     parser.epilog = EXIT_CODES
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -88,7 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cpu, cuda, cuda:1, ... (default: the current accelerator, else cpu)")
     parser.add_argument("--steps", type=_positive_int, default=5, help="training steps per run (default 5)")
     parser.add_argument("--budget-fraction", type=_fraction, default=0.5,
-                        help="offload budget as a fraction of the measured activation peak (default 0.5)")
+                        help="offload budget: this fraction of the movable activation peak (bytes not "
+                             "kept past the step) plus the kept bytes (parameter gradients, the loss), "
+                             "as OffloadConfig(max_resident_fraction=F) makes it (default 0.5)")
     parser.add_argument("--out", type=Path, default=Path("hyperpar-demo"),
                         help="folder for demo.json, trace.json, schedule.json and the PNG "
                              "(default ./hyperpar-demo)")
@@ -186,23 +189,27 @@ def _run(args: argparse.Namespace, device: torch.device, t_start: float) -> int:
           f"torch {torch.__version__}")
 
     with _deterministic_kernels(device):
-        peak, trace = measure_activation_peak(spec)
-        floor = budget_floor(trace)
-        budget = max(1, int(peak * args.budget_fraction))
-        print(f"measured activation peak {peak / MIB:.2f} MiB -> offload budget {budget / MIB:.2f} MiB "
-              f"({args.budget_fraction:.0%}, planner {args.planner}); feasible floor "
-              f"{floor.floor_bytes / MIB:.2f} MiB (no schedule can go lower)")
+        probe = measure_activation_peak(spec)
+        floor = budget_floor(probe.trace)
+        budget = probe.budget(args.budget_fraction)
+        print(f"measured activation peak {probe.peak_bytes / MIB:.2f} MiB (movable "
+              f"{probe.movable_peak_bytes / MIB:.2f} MiB, kept {probe.kept_bytes / MIB:.2f} MiB) -> offload "
+              f"budget {budget / MIB:.2f} MiB ({args.budget_fraction:.0%} of the movable activation peak "
+              f"+ the kept bytes, planner {args.planner}); feasible floor {floor.floor_bytes / MIB:.2f} MiB "
+              f"(no schedule can go lower)")
         bar, on_step = _progress("plain, repeat, offload", args.steps)
         with bar, logging_redirect_tqdm():  # a warning (budget below the floor) gets its own line
             runs = train_side_by_side(spec, args.steps, budget_bytes=budget, planner=args.planner,
                                       on_step=on_step)
-    runs.baseline.peak_activation_bytes = peak
+    runs.baseline.peak_activation_bytes = probe.peak_bytes
     plain_differences = run_differences(runs, "baseline", "repeat")
     differences = run_differences(runs, "baseline", "offload")
     plain, planned = planned_resident_bytes(runs.session)
     result = DemoResult(
         settings={"size": args.size, "gpt": vars(cfg), "batch_size": args.batch_size, "steps": args.steps,
                   "seed": args.seed, "device": str(device), "budget_fraction": args.budget_fraction,
+                  "budget_fraction_of": "movable activation peak, plus the kept bytes",
+                  "movable_peak_bytes": probe.movable_peak_bytes, "kept_bytes": probe.kept_bytes,
                   "planner": args.planner, "threads": args.threads, "cpus": os.cpu_count(),
                   "torch": torch.__version__, "moe_ranks": 0 if args.no_moe else args.moe_ranks},
         runs=[runs.baseline, runs.repeat, runs.offload],
@@ -270,7 +277,8 @@ def _save_offload_files(result: DemoResult, runs: SideBySide, out: Path, budget:
         return
     png = plot_resident_bytes(out / "resident_bytes.png", result.resident_bytes_plain,
                               result.resident_bytes_planned, budget,
-                              f"GPT {args.size}: budget {args.budget_fraction:.0%} of the activation peak",
+                              f"GPT {args.size}: budget {args.budget_fraction:.0%} of the movable activation "
+                              f"peak + kept",
                               floor_bytes=runs.offload.min_feasible_budget_bytes)
     result.files["png"] = str(png)
 

@@ -3,11 +3,19 @@
 Library code (it logs, never prints); the command in :mod:`hyperpar.commands.demo` prints.
 """
 
-from hyperpar.demo.dense import DemoSpec, SideBySide, measure_activation_peak, train_dense, train_side_by_side
+from hyperpar.demo.dense import (
+    ActivationPeak,
+    DemoSpec,
+    SideBySide,
+    measure_activation_peak,
+    train_dense,
+    train_side_by_side,
+)
 from hyperpar.demo.moe_ranks import MoeRunError, run_moe_ranks
 from hyperpar.demo.results import DemoResult, RunResult
 
 __all__ = [
+    "ActivationPeak",
     "DemoResult",
     "DemoSpec",
     "MoeRunError",

@@ -49,15 +49,35 @@ def _sync(device: torch.device) -> None:
         torch.accelerator.synchronize()
 
 
-def measure_activation_peak(spec: DemoSpec) -> tuple[int, ActivationTrace]:
-    """One traced step of a throwaway model with no budget: (peak activation bytes, trace)."""
+@dataclass(frozen=True)
+class ActivationPeak:
+    """One unbudgeted step's peak and its split into movable and kept bytes: a fraction's
+    budget is made of the split (as ``OffloadConfig.max_resident_fraction`` makes it), not
+    of the whole peak, so that parameter gradients are not counted as activations."""
+
+    peak_bytes: int  # resident bytes at the step's peak, kept ones included
+    movable_peak_bytes: int  # the peak of the bytes not kept past the step
+    kept_bytes: int  # parameter gradients, the loss, outputs: they stay whatever the plan
+    trace: ActivationTrace
+
+    def budget(self, fraction: float) -> int:
+        """What ``OffloadConfig(max_resident_fraction=fraction)`` resolves to on this step."""
+        config = OffloadConfig(max_resident_fraction=fraction)
+        return config.budget_for_peak(self.movable_peak_bytes, self.kept_bytes)
+
+
+def measure_activation_peak(spec: DemoSpec) -> ActivationPeak:
+    """One traced step of a throwaway model with no budget: its peak, split, and its trace."""
     model = spec.build_model()
     (x, y), = spec.batches(1)
     session = OffloadSession(OffloadConfig(max_resident_activation_mb=float(1 << 30), device=spec.device))
     with session:
         model.loss(x, y).backward()
-    assert session.last_report is not None and session.trace is not None
-    return session.last_report.peak_resident_bytes, session.trace
+    report = session.last_report
+    assert report is not None and session.trace is not None
+    assert report.movable_peak_bytes is not None and report.kept_bytes is not None  # set on every plan
+    return ActivationPeak(report.peak_resident_bytes, report.movable_peak_bytes, report.kept_bytes,
+                          session.trace)
 
 
 class _DenseRun:

@@ -88,6 +88,9 @@ MAX_SIZES = 16  # plans per structure
 # A step of a planned size whose activations are this much larger in total is planned again.
 REPLAN_GROWTH = 1.01
 _UNKNOWN = object()  # no step has followed this structure yet
+# A replay's totals its Chrome trace carries: what it offloaded (D2H, H2D), rebuilt in
+# backward instead of keeping, and what stayed on the device against the budget.
+STEP_TOTALS = ("bytes_d2h", "bytes_h2d", "bytes_recomputed", "peak_resident_bytes", "budget_bytes")
 
 
 class OffloadSession(FastSteps, RecomputeSteps):
@@ -183,7 +186,9 @@ class OffloadSession(FastSteps, RecomputeSteps):
             executor.read_behind_dispatcher(storage)
 
     def export_chrome_trace(self, path: str | Path) -> Path:
-        """Write the last replay's timeline (ops, D2H, H2D tracks) as Chrome trace JSON."""
+        """Write the last replay's timeline (ops, D2H, H2D tracks) as Chrome trace JSON, with
+        its step's totals (``STEP_TOTALS``: offloaded, rebuilt in backward, what stayed) in
+        ``otherData["step"]`` and on a marker: a rebuilt module call shows only as more ops."""
         if self._timeline is None:
             raise RuntimeError(
                 "export_chrome_trace: no replay timeline yet (replay steps record it when "
@@ -397,6 +402,8 @@ class OffloadSession(FastSteps, RecomputeSteps):
             else:
                 self._module_spans = None  # (another step than the plan's: try on the next one)
         self._recompute_report(report)
+        if isinstance(executor, ReplayExecutor) and executor.timer is not None and self._timeline is not None:
+            self._timeline.step = {name: int(getattr(report, name)) for name in STEP_TOTALS}
         self.phase = "warmup" if self._choose() is None else "replay"
         self.last_report = report
 

@@ -1,7 +1,9 @@
 """The last replay's timeline as a Chrome trace (chrome://tracing, Perfetto).
 
 Three tracks in one process: compute (one slice per op), D2H and H2D (one slice per copy,
-named after the storage). Times are microseconds from the start of the step.
+named after the storage). Times are microseconds from the start of the step. The step's
+totals (``step``: what it kept on the device, offloaded, rebuilt in backward) go in
+``otherData`` and on a marker at its start, since a rebuilt call shows only as more ops.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ class StepTimeline:
     copies: list[CopySpan] = field(default_factory=list)
     waits: list[tuple[int, float]] = field(default_factory=list)  # (op index, ms the op waited)
     clock: str = "host"  # what the op times measure: "host" (perf_counter) or "device" (events)
+    # the step's report totals (bytes_d2h, bytes_h2d, bytes_recomputed, ...); empty: none known
+    step: dict[str, int] = field(default_factory=dict)
 
     def chrome_events(self) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = [
@@ -39,6 +43,9 @@ class StepTimeline:
                 args["wait_ms"] = wait_of[i]
             events.append({"name": name, "cat": "op", "ph": "X", "pid": 1, "tid": TRACKS[COMPUTE_TRACK],
                            "ts": start * 1e3, "dur": max(end - start, 0.0) * 1e3, "args": args})
+        if self.step:  # a process-wide marker at the step's start, its totals in the args
+            events.append({"name": "step", "cat": "step", "ph": "i", "s": "p", "pid": 1,
+                           "tid": TRACKS[COMPUTE_TRACK], "ts": 0.0, "args": dict(self.step)})
         for c in self.copies:
             events.append({"name": f"storage {c.label}", "cat": c.lane, "ph": "X", "pid": 1,
                            "tid": TRACKS[c.lane], "ts": c.start_ms * 1e3,
@@ -50,6 +57,6 @@ class StepTimeline:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         doc = {"traceEvents": self.chrome_events(), "displayTimeUnit": "ms",
-               "otherData": {"op_clock": self.clock}}
+               "otherData": {"op_clock": self.clock, "step": dict(self.step)}}
         path.write_text(json.dumps(doc))
         return path
