@@ -39,6 +39,9 @@ from hyperpar.offload.runtime.recompute_regions import RecomputeMismatchError, R
 
 logger = logging.getLogger("hyperpar.offload.api.session")
 OVER_TOLERANCE = 0.01  # of the budget: choices this close to the least over it count as keeping it
+SAVES_IN_BACKWARD = ("the step saves tensors inside its backward (create_graph=True, or the model's own "
+                     "checkpointing): a call rebuilt there would sum its second-order gradients in "
+                     "another order than plain PyTorch, not bitwise")
 
 
 class RecomputeSteps:
@@ -55,6 +58,8 @@ class RecomputeSteps:
     _want_spans: bool  # the next checked replay records module calls for the choice
     _recompute_trusted: bool  # a step compared every rebuilt output with forward's: later ones need not
     _offload_only_floor: int | None  # the floor of the step the choice was made on (nothing rebuilt)
+    _saved_in_backward: bool  # the last clean step saved tensors inside its backward
+    _recompute_stop: bool  # rebuild nothing from the next step on
 
     def _recompute_init(self) -> None:
         self._recompute = None  # module calls rebuilt in backward, chosen once
@@ -65,10 +70,14 @@ class RecomputeSteps:
         self._want_spans = False
         self._recompute_trusted = False
         self._offload_only_floor = None
+        self._saved_in_backward = False
+        self._recompute_stop = False  # a step's backward built a graph through rebuilt calls
 
     def _recompute_enter(self, executor: ExecutorBase | None) -> None:
         """At a step's start: the chosen calls checkpointed; on the checked replay the choice
         waits for, its module calls recorded."""
+        if self._recompute_stop:
+            self._recompute, self._recompute_stop = None, False
         stack = contextlib.ExitStack()
         self._recompute_applied = self._recompute is not None
         try:
@@ -92,6 +101,13 @@ class RecomputeSteps:
             return None
         compared = len(self._recompute.checks)
         mismatch = self._recompute.mismatch()
+        if self._recompute.graph_built:  # this step's rebuilt calls: equal to rounding, not bitwise
+            logger.warning("recompute: a backward built a graph through rebuilt calls (create_graph=True): "
+                           "its gradients equal plain PyTorch's to rounding, not bitwise; nothing is "
+                           "rebuilt from the next step on")
+            self._recompute_choice = RecomputeChoice(why=SAVES_IN_BACKWARD)  # (this step still reports
+            self._recompute_stop = True  # what it rebuilt; the next one rebuilds nothing)
+            return mismatch if check else None
         if not check:
             return None
         self._recompute_trusted = self._recompute_trusted or (compared > 0 and mismatch is None)
@@ -148,6 +164,10 @@ class RecomputeSteps:
         spans, self._module_spans = self._module_spans, None
         self._want_spans = False
         if spans is None or self._recompute_choice is not None:
+            return
+        if self._saved_in_backward:
+            self._recompute_choice = RecomputeChoice(why=SAVES_IN_BACKWARD)
+            logger.info("recompute: none (%s)", SAVES_IN_BACKWARD)
             return
         modules = {}
         calls = []

@@ -240,21 +240,44 @@ class OffloadSession(FastSteps, RecomputeSteps):
             executor.timer = self._timer
         m.describe_op = executor.describe_op
         self._executor = executor
-        self._mode = OffloadDispatchMode(executor, self)
-        host_reads.step_started(executor)
-        self._sync()
-        m.engine.begin_step()
-        if executor.timer is not None:
-            executor.timer.begin_step()
-        self._recompute_enter(executor)
-        self._t0 = time.perf_counter()
-        self._mode.__enter__()
-        if self.config.fast_replay:  # on every step (saved-tensor hooks change the ops autograd
-            self._packs = SavedTensorGuard(log=self._event_log(executor)).__enter__()  # runs: no
-            # ``detach`` per saved output)
+        self._mode = mode = OffloadDispatchMode(executor, self)
+        entered = False
+        try:
+            host_reads.step_started(executor)
+            self._sync()
+            m.engine.begin_step()
+            if executor.timer is not None:
+                executor.timer.begin_step()
+            self._recompute_enter(executor)
+            self._t0 = time.perf_counter()
+            mode.__enter__()
+            entered = True
+            if self.config.fast_replay:  # on every step (saved-tensor hooks change the ops autograd
+                self._packs = SavedTensorGuard(log=self._event_log(executor)).__enter__()  # runs: no
+                # ``detach`` per saved output)
+        except BaseException:  # (an interrupt, say): no mode or hook left behind, the session usable
+            self._abort_enter(executor, entered)
+            raise
         if isinstance(executor, WarmupExecutor):
             gc_pause.hold()  # the trace is many small acyclic objects: collect after the step
         return self
+
+    def _abort_enter(self, executor: ExecutorBase, entered: bool) -> None:
+        """Undo what a mode step's ``__enter__`` did before it failed."""
+        packs, self._packs = self._packs, None
+        try:
+            if packs is not None:
+                packs.__exit__()
+            if entered and self._mode is not None:
+                self._mode.__exit__(None, None, None)
+            self._recompute_exit(check=False)
+        finally:
+            self._manager.clear()
+            host_reads.step_ended(executor)
+            if executor.timer is not None:
+                executor.timer.end_step()
+            self._manager.describe_op = _outside_an_op
+            self._executor = self._mode = None
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> bool:
@@ -291,6 +314,7 @@ class OffloadSession(FastSteps, RecomputeSteps):
             self._manager.engine.end_step()
             report.exposed_wait_ms = self._manager.engine.exposed_wait_ms()
             if clean:
+                self._saved_in_backward = packs is not None and packs.saved_in_backward
                 self._after_clean_step(executor, report)
                 if packs is not None:
                     self._learn_packs(executor, packs)

@@ -55,6 +55,7 @@ class RecomputeRegions:
         # id(module) -> the buffers its call wrote (BatchNorm's running statistics): a run
         # again in backward must leave them as forward did (``_StateKept``)
         self._mutated: dict[int, tuple[str, ...]] = {}
+        self.graph_built = False  # a backward through a rebuilt call built a graph (create_graph=True)
 
     @contextmanager
     def applied(self, check: bool = True) -> Iterator[None]:
@@ -63,6 +64,7 @@ class RecomputeRegions:
         patched: list[tuple[torch.nn.Module, Any]] = []
         self.step_bytes = 0
         self.checks = []
+        self.graph_built = False
         try:
             for ref, nbytes in zip(self._modules, self._call_bytes, strict=True):
                 module = ref()
@@ -72,7 +74,7 @@ class RecomputeRegions:
                 rebuilt = functools.partial(self._rebuilt, nbytes)
                 checks = self.checks if check else None
                 module.forward = _checkpointed(module.forward, rebuilt, checks,  # type: ignore[method-assign]
-                                               self._mutated)
+                                               self)
                 patched.append((module, before))
             yield
         finally:
@@ -112,8 +114,8 @@ _ABSENT = object()
 
 
 def _checkpointed(forward: Callable[..., Any], rebuilt: Callable[[], None],
-                  checks: list[tuple[str, int, torch.Tensor]] | None,
-                  mutated: dict[int, tuple[str, ...]]) -> Callable[..., Any]:
+                  checks: list[tuple[str, int, torch.Tensor]] | None, regions: RecomputeRegions
+                  ) -> Callable[..., Any]:
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # nothing is saved without grad: plain call
@@ -130,7 +132,7 @@ def _checkpointed(forward: Callable[..., Any], rebuilt: Callable[[], None],
         if not at:  # nothing to keep: torch's own checkpoint (its inputs are Python's)
             rebuilt()
             return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
-        call = _Call(_StateKept(forward, module, mutated), leaves, spec, at, params, checks)
+        call = _Call(_StateKept(forward, module, regions._mutated), leaves, spec, at, params, checks, regions)
         flat = _Rebuilt.apply(call, *[leaves[i] for i in at], *params)
         rebuilt()
         return call.output(flat)
@@ -226,7 +228,8 @@ class _Call:
     structure (tensors go through ``_Rebuilt``, anything else is handed back as it was)."""
 
     def __init__(self, forward: Callable[..., Any], leaves: list[Any], spec: TreeSpec, at: list[int],
-                 params: list[torch.Tensor], checks: list[tuple[str, int, torch.Tensor]] | None) -> None:
+                 params: list[torch.Tensor], checks: list[tuple[str, int, torch.Tensor]] | None,
+                 regions: RecomputeRegions) -> None:
         # the tensors come with each run (saved by autograd, not held here: a Python reference
         # would keep their bytes where the fast path must free them)
         held = list(leaves)
@@ -235,6 +238,7 @@ class _Call:
         self.forward, self.leaves, self.spec, self.at = forward, held, spec, at
         self.params = params  # the module's, requiring grad: inputs of the call after its tensors
         self.checks = checks  # where backward leaves its comparisons (None: an unchecked step)
+        self.regions = regions  # told when a backward through the call builds a graph
         self.out_leaves: list[Any] = []
         self.out_spec: TreeSpec | None = None
         self.out_at: list[int] = []
@@ -292,7 +296,13 @@ class _Rebuilt(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # type: ignore[override]
         call: _Call = ctx.call
         inputs = ctx.saved_tensors
-        again = [x.detach().requires_grad_(x.requires_grad) for x in inputs]
+        # a backward that builds a graph (``create_graph=True``: a gradient penalty) runs again
+        # on the saved inputs themselves, so its gradients reach back through them too (equal
+        # to plain PyTorch's to rounding: the session stops rebuilding after such a step)
+        graph = torch.is_grad_enabled()
+        if graph:
+            call.regions.graph_built = True
+        again = list(inputs) if graph else [x.detach().requires_grad_(x.requires_grad) for x in inputs]
         with call.rerun():
             return _Rebuilt._again(ctx, call, again, grads)
 
@@ -310,7 +320,8 @@ class _Rebuilt(torch.autograd.Function):
                     call.checks.append((owner, k, torch.ne(_bytes_sum(o), before)))
         pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad and g is not None]
         wrt = [x for x in again if x.requires_grad] + params
-        got = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+        got = iter(torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True,
+                                       create_graph=torch.is_grad_enabled())
                    if pairs and wrt else [None] * len(wrt))
         return (None, *[next(got) if x.requires_grad else None for x in again], *[next(got) for _ in params])
 

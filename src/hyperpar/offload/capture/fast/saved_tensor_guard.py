@@ -37,8 +37,8 @@ class SavedTensorGuard:
     fingerprints of a step's saved tensors (``expected=None``) or checks them."""
 
     __slots__ = ("__weakref__", "_expected", "_next_slot", "_on_departure", "_other_size", "_slots",
-                 "count", "departed_at", "fingerprints", "lifted", "log", "moving", "storages", "unpack",
-                 "why")
+                 "count", "departed_at", "fingerprints", "lifted", "log", "moving", "saved_in_backward",
+                 "storages", "unpack", "why")
 
     def __init__(self, expected: tuple[Fingerprint, ...] | None = None,
                  on_departure: Callable[[int, str], None] | None = None, *,
@@ -69,6 +69,9 @@ class SavedTensorGuard:
         self.departed_at: int | None = None
         self.why = ""
         self.lifted = False  # something disabled saved-tensor hooks (torch.func): not all were seen
+        # a tensor was saved inside backward: a backward that builds a graph (create_graph=True)
+        # or a checkpoint's run again (what the session's recompute must not stack on)
+        self.saved_in_backward = False
 
     def __enter__(self) -> SavedTensorGuard:
         _install()
@@ -123,6 +126,8 @@ class SavedTensorGuard:
     def pack(self, t: Tensor) -> tuple[Any, ...]:
         k = self.count
         self.count = k + 1
+        if not self.saved_in_backward and _in_backward() != -1:
+            self.saved_in_backward = True
         fp = self.fingerprint(t)
         expected = self._expected
         if expected is None:
@@ -191,6 +196,9 @@ class SavedTensorGuard:
 
 
 _original_disable = torch.autograd.graph.disable_saved_tensors_hooks
+
+
+_in_backward = torch._C._current_graph_task_id  # -1 outside a backward pass
 
 
 @contextlib.contextmanager
