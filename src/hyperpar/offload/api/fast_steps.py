@@ -186,6 +186,7 @@ class FastSteps:
                 structure.departures = FAST_DEPARTURES
         else:
             self._off_plan(plan, executor.held_sids)
+        self._recompute_report(report)  # its calls were rebuilt whichever path ran them
         self.phase = "warmup" if self._choose() is None else "replay"
         self.last_report = report
 
