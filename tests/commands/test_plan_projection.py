@@ -86,6 +86,7 @@ def test_the_table_says_the_levers(llama_trace: Path, tmp_path: Path,
                  "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "levers at" in out and "full checkpointing" in out and "of 4 layers rebuilt" in out
+    assert "MiB made again in backward" in out and "MiB to host, the rest kept on the device" in out
 
 
 @pytest.mark.parametrize(("flags", "match"), [

@@ -96,7 +96,8 @@ def print_levers(r: LeverSteps) -> None:
           f"{r.kept_bytes / MIB:.1f} MiB kept) on {r.device}: plain {r.plain_ms:.3f} ms, offload only "
           f"{r.offload_only_ms / r.plain_ms:.2f}x, full checkpointing {full}, "
           f"mixed {r.step_ms / r.plain_ms:.2f}x "
-          f"({r.rebuilt_layers} of {r.layers} layers rebuilt, {r.offload_bytes / MIB:.1f} MiB to host"
+          f"({r.rebuilt_layers} of {r.layers} layers rebuilt: {r.recompute_bytes / MIB:.1f} MiB made again "
+          f"in backward, {r.offload_bytes / MIB:.1f} MiB to host, the rest kept on the device"
           f"{'' if r.meets_budget else ', over budget: planned for its floor'})")
 
 
