@@ -16,6 +16,7 @@ the projected step (``hyperpar.offload.projection``) of:
 
 Host cost per op: equal to plain's (``equal``, isolating the plan) and the CPU-measured
 replay cost (``measured``). A budget below a strategy's floor gets its plan for the floor.
+Besides the ``--fractions``, each shape is projected at its offload-only floor (``floor``).
 
     .venv/bin/python benchmarks/whole_model_projection.py --out benchmarks/results/whole_model_projection.json
 """
@@ -38,6 +39,7 @@ from hyperpar.bench.result_file import provenance
 from hyperpar.offload import OffloadConfig, OffloadSession
 from hyperpar.offload.ir import ActivationTrace
 from hyperpar.offload.planning.arrays import kept_and_movable_peak, trace_arrays
+from hyperpar.offload.planning.floor import budget_floor
 from hyperpar.offload.projection import FastArithmetic, HostCosts, get_device
 from hyperpar.offload.projection.levers import project_at_budget
 
@@ -116,12 +118,15 @@ def shape_rows(name: str, shape: Shape, fractions: tuple[float, ...], devices: t
     plain_trace, _ = model.trace(base, 1)
     bar.update()
     kept, movable_peak = kept_and_movable_peak(trace_arrays(plain_trace), plain_trace.retained_sids)
+    # the offload-only floor as a share of the movable peak: every strategy projected there too
+    floor_fraction = max(budget_floor(plain_trace).floor_bytes - kept, 1) / movable_peak
     ac_trace, ac = model.trace(replace(base, recompute="layers"), 3)
     assert ac.last_report is not None and ac.last_report.bytes_recomputed > 0, "no layer was checkpointed"
     bar.update()
     hosts = {"equal": HostCosts(replay_us=HostCosts().plain_us), "measured": HostCosts()}
     out: dict[str, Any] = {**asdict(shape), "dtype": "bfloat16", "kept_bytes": kept,
-                           "movable_peak_bytes": movable_peak, "devices": {}}
+                           "movable_peak_bytes": movable_peak, "floor_fraction": floor_fraction,
+                           "devices": {}}
     for device in devices:
         dev: dict[str, Any] = {}
         for host_name, host in hosts.items():
@@ -131,7 +136,7 @@ def shape_rows(name: str, shape: Shape, fractions: tuple[float, ...], devices: t
                 "full_checkpointing": _projected(ac_trace, device, host, big, movable_peak, kept, plain=True),
                 "budgets": {},
             }
-        for frac in fractions:
+        for key, frac in [(f"{f:.0%}", f) for f in fractions] + [("floor", floor_fraction)]:
             budget = int(frac * movable_peak) + kept
             mixed_trace, mixed = model.trace(replace(base, recompute="auto", plan_for=device,
                                                      max_resident_fraction=frac), 3)
@@ -139,7 +144,7 @@ def shape_rows(name: str, shape: Shape, fractions: tuple[float, ...], devices: t
             report = mixed.last_report
             assert report is not None and report.budget_bytes == budget, (report, budget)
             for host_name, host in hosts.items():
-                dev[host_name]["budgets"][f"{frac:.0%}"] = {
+                dev[host_name]["budgets"][key] = {
                     "budget_bytes": budget,
                     "offload_only": _projected(plain_trace, device, host, budget, movable_peak, kept),
                     "offloaded_checkpointing": _projected(ac_trace, device, host, budget, movable_peak, kept),
@@ -198,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     started = provenance()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     results: dict[str, Any] = {}
-    total = len(args.shapes) * (2 + len(args.fractions) * len(args.devices))
+    total = len(args.shapes) * (2 + (len(args.fractions) + 1) * len(args.devices))
     with tqdm(total=total, desc="sessions", file=sys.stderr) as bar:
         for name in args.shapes:
             results[name] = shape_rows(name, SHAPES[name], tuple(args.fractions), tuple(args.devices), bar)
