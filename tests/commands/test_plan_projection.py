@@ -78,6 +78,8 @@ def test_json_has_every_lever(llama_trace: Path, capsys: pytest.CaptureFixture[s
     # offload alone among them
     assert doc["full_ac_ms"] > doc["plain_ms"] and doc["step_ms"] <= doc["offload_only_ms"]
     assert (doc["recompute_bytes"] > 0) == (doc["rebuilt_layers"] > 0)
+    # both floors: rebuilding adds ops and moves none, so the mixed plan's is never below
+    assert 0 < doc["offload_only_floor_bytes"] <= doc["floor_bytes"]
 
 
 def test_the_table_says_the_levers(llama_trace: Path, tmp_path: Path,
@@ -87,6 +89,7 @@ def test_the_table_says_the_levers(llama_trace: Path, tmp_path: Path,
     out = capsys.readouterr().out
     assert "levers at" in out and "full checkpointing" in out and "of 4 layers rebuilt" in out
     assert "MiB made again in backward" in out and "MiB to host, the rest kept on the device" in out
+    assert "); floor " in out and "MiB, offload only " in out
 
 
 @pytest.mark.parametrize(("flags", "match"), [

@@ -98,7 +98,8 @@ def print_levers(r: LeverSteps) -> None:
           f"mixed {r.step_ms / r.plain_ms:.2f}x "
           f"({r.rebuilt_layers} of {r.layers} layers rebuilt: {r.recompute_bytes / MIB:.1f} MiB made again "
           f"in backward, {r.offload_bytes / MIB:.1f} MiB to host, the rest kept on the device"
-          f"{'' if r.meets_budget else ', over budget: planned for its floor'})")
+          f"{'' if r.meets_budget else ', over budget: planned for its floor'}); floor "
+          f"{r.floor_bytes / MIB:.1f} MiB, offload only {r.offload_only_floor_bytes / MIB:.1f} MiB")
 
 
 def report(args: argparse.Namespace, trace: ActivationTrace, out: Path | None) -> Path | None:

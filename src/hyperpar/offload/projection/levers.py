@@ -44,6 +44,7 @@ class LeverSteps:
     forward_end_op: int
     floor_bytes: int  # the mixed plan's floor
     meets_budget: bool
+    offload_only_floor_bytes: int = 0  # the floor without rebuilding, beside the mixed plan's
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -88,5 +89,5 @@ def lever_steps(trace: ActivationTrace, device: DeviceModel, host: HostCosts, fr
     freed = rebuilt_bytes(trace, blocks[:k], forward_end)
     return LeverSteps(device.name, plain.plain.step_us / 1e3, offload_only[0], full_ac, step_ms, movable_peak,
                       kept, budget, d2h, freed, k, len(blocks), blocks[0][1] - blocks[0][0] if blocks else 0,
-                      forward_end, floor, meets)
+                      forward_end, floor, meets, offload_only[2])
 
