@@ -28,6 +28,7 @@ CHEAP = {  # stem -> arguments of a run that takes a few seconds
     "demo_step": ["benchmarks/demo_step.py", "--steps", "3", "--settle", "1"],
     "fast_paths": ["benchmarks/fast_paths.py", "--families", "tiny-ops", "--fractions", "0.5", "--steps", "3",
                    "--tiny-layers", "20"],
+    "disk_store": ["benchmarks/disk_store.py", "--mib", "16", "--sizes", "1", "4", "--repeats", "1"],
 }
 EXPENSIVE = ("moe", "compile", "variable_lengths", "variable_shapes_models", "fuzz_failures",
              "multicore_hang_paths", "warmup_budget", "planner", "offload", "host_cost",

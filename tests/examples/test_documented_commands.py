@@ -150,6 +150,10 @@ def _recompute_cpu(out: str) -> None:
     assert "hf-gpt2: plain 1.00x" in out and "NOT BITWISE" not in out and "OVER BUDGET" not in out, out
 
 
+def _disk_store(out: str) -> None:
+    assert "raw (" in out and "store, 1 MiB tensors: write" in out and "NOT BITWISE" not in out, out
+
+
 def _plan_json(out: str) -> None:
     doc = json.loads(out)
     assert {"plain_ms", "step_ms", "full_ac_ms", "peak_bytes", "budget_bytes", "offload_bytes",
@@ -229,6 +233,8 @@ KNOWN: dict[str, Run | Skip] = {
     ".venv/bin/python benchmarks/recompute_cpu.py --out benchmarks/results/recompute_cpu.json": Run(
         ("--families", "hf-gpt2", "--rounds", "4", "--settle", "2", "--out", "{tmp}/recompute_cpu.json"),
         _recompute_cpu, "hf"),
+    ".venv/bin/python benchmarks/disk_store.py --out benchmarks/results/disk_store.json": Run(
+        ("--mib", "16", "--sizes", "1", "--repeats", "1", "--out", "{tmp}/disk_store.json"), _disk_store),
     ".venv/bin/python benchmarks/fast_paths.py --out benchmarks/results/fast_paths.json": Run(
         ("--families", "tiny-ops", "--fractions", "0.5", "--steps", "3", "--tiny-layers", "20",
          "--out", "{tmp}/fast_paths.json"), _fast_paths),

@@ -212,10 +212,13 @@ class DiskStore:
                 return Extent(0, 0)  # occupies nothing: read and free have nothing to do
             offset = self._allocate(aligned(nbytes))
             try:
-                for pos in range(0, nbytes, STAGING_BYTES):
-                    n = min(STAGING_BYTES, nbytes - pos)
-                    self._staging[:n] = data[pos:pos + n]
-                    self._transfer(fd, aligned(n), offset + pos, writing=True)
+                if self._in_place(src, nbytes):
+                    self._transfer(fd, data, nbytes, offset, writing=True)
+                else:
+                    for pos in range(0, nbytes, STAGING_BYTES):
+                        n = min(STAGING_BYTES, nbytes - pos)
+                        self._staging[:n] = data[pos:pos + n]
+                        self._transfer(fd, self._staging, aligned(n), offset + pos, writing=True)
             except BaseException:
                 self._release(offset, aligned(nbytes))
                 raise
@@ -234,10 +237,13 @@ class DiskStore:
             if extent.nbytes == 0:
                 return
             self._check_live(extent)
-            for pos in range(0, extent.nbytes, STAGING_BYTES):
-                n = min(STAGING_BYTES, extent.nbytes - pos)
-                self._transfer(fd, aligned(n), extent.offset + pos, writing=False)
-                out[pos:pos + n] = self._staging[:n]
+            if self._in_place(dst, extent.nbytes):
+                self._transfer(fd, out, extent.nbytes, extent.offset, writing=False)
+            else:
+                for pos in range(0, extent.nbytes, STAGING_BYTES):
+                    n = min(STAGING_BYTES, extent.nbytes - pos)
+                    self._transfer(fd, self._staging, aligned(n), extent.offset + pos, writing=False)
+                    out[pos:pos + n] = self._staging[:n]
             self.bytes_read += extent.nbytes
 
     def free(self, extent: Extent) -> None:
@@ -275,11 +281,17 @@ class DiskStore:
             raise ValueError(f"{extent} is not a live extent of DiskStore {self.path!r} "
                              "(freed, or from another store)")
 
-    def _transfer(self, fd: int, length: int, offset: int, *, writing: bool) -> None:
-        """``length`` staged bytes to (``writing``) or from ``offset``, resuming short transfers."""
+    def _in_place(self, tensor: torch.Tensor, nbytes: int) -> bool:
+        """Whether the caller's bytes can move without the staging copy: always with buffered
+        I/O; with ``O_DIRECT`` where their address and length are page-aligned (pinned host
+        memory is): one copy of every byte less."""
+        return not self.direct or (tensor.data_ptr() % ALIGN == 0 and nbytes % ALIGN == 0)
+
+    def _transfer(self, fd: int, buf: memoryview, length: int, offset: int, *, writing: bool) -> None:
+        """``length`` bytes of ``buf`` to (``writing``) or from ``offset``, resuming short transfers."""
         done = 0
         while done < length:
-            view = self._staging[done:length]
+            view = buf[done:length]
             try:
                 n = os.pwrite(fd, view, offset + done) if writing else os.preadv(fd, [view], offset + done)
             except OSError as exc:
