@@ -30,22 +30,15 @@ from tqdm import tqdm
 
 from hyperpar.bench import headlines
 from hyperpar.bench.result_file import provenance
-from hyperpar.offload.runtime.disk_store import ALIGN, O_DIRECT, STAGING_BYTES, DiskStore
+from hyperpar.offload.runtime.disk_store import ALIGN, O_DIRECT, STAGING_BYTES, DiskStore, aligned_bytes
 
 MIB = 1 << 20
 
 
-def _aligned_buffer(nbytes: int) -> tuple[torch.Tensor, memoryview]:
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
-    skip = (-raw.data_ptr()) % ALIGN
-    view = raw[skip:skip + nbytes]
-    view.random_(0, 256, generator=torch.Generator().manual_seed(0))
-    return raw, memoryview(view.numpy())
-
-
 def raw_gbps(directory: str, total: int) -> tuple[float, float, bool]:
     """(write GB/s, read GB/s, direct) of ``total`` bytes in 8 MiB aligned transfers."""
-    _, buf = _aligned_buffer(STAGING_BYTES)
+    data = aligned_bytes(STAGING_BYTES).random_(0, 256, generator=torch.Generator().manual_seed(0))
+    buf = memoryview(data.numpy())
     fd_tmp, path = tempfile.mkstemp(prefix="hyperpar-raw-", dir=directory)
     os.close(fd_tmp)
     direct = O_DIRECT is not None

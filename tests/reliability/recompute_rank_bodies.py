@@ -4,6 +4,7 @@ plain and inside an OffloadSession, and a rank that fails inside a rebuilt call'
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -59,14 +60,17 @@ def _blocks(model: nn.Module) -> list[Block]:
     return [m for m in model.modules() if isinstance(m, Block)]
 
 
-def _train(kind: str, rank: int, session: OffloadSession | None, steps: int
+Build = Callable[[], nn.Module]
+
+
+def _train(build: Build, seed: Callable[[int], int], session: OffloadSession | None, steps: int
            ) -> tuple[list[list[torch.Tensor]], list[dict[str, Any]]]:
-    """SGD steps; per step the loss and every local gradient (FSDP2: the rank's shard)."""
-    model = _wrap(kind)
+    """SGD steps; per step the loss and every local gradient (FSDP2, TP: the rank's shard)."""
+    model = build()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     results, reports = [], []
     for step in range(steps):
-        x = torch.randn(64, WIDTH, generator=torch.Generator().manual_seed(100 * step + rank))
+        x = torch.randn(64, WIDTH, generator=torch.Generator().manual_seed(seed(step)))
         with step_context(session):
             loss = model(x).square().mean()
             loss.backward()
@@ -79,29 +83,36 @@ def _train(kind: str, rank: int, session: OffloadSession | None, steps: int
     return results, reports
 
 
-def _peak(kind: str, rank: int) -> int:
+def _peak(build: Build, seed: Callable[[int], int]) -> int:
     probe = OffloadSession(OffloadConfig(max_resident_activation_mb=1e9))
-    _train(kind, rank, probe, steps=2)
+    _train(build, seed, probe, steps=2)
     assert probe.last_report is not None
     return probe.last_report.peak_resident_bytes  # a steady step (FSDP2 initialises in the first)
 
 
-def _choice(session: OffloadSession) -> dict[str, Any]:
+def _rebuilt_against_plain(build: Build, seed: Callable[[int], int], fraction: float, steps: int
+                           ) -> dict[str, Any]:
+    """Per step whether loss and local gradients with ``recompute="layers"`` at ``fraction`` of
+    the peak are bitwise the plain run's, each step's report and what the session chose."""
+    budget = int(fraction * _peak(build, seed))
+    expected, _ = _train(build, seed, None, steps)
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=budget / MIB, recompute="layers"))
+    got, reports = _train(build, seed, session, steps)
     choice = session._recompute_choice
-    return {"why": None if choice is None else choice.why,
+    return {"equal": [all(torch.equal(a, b) for a, b in zip(e, g, strict=True))
+                      for e, g in zip(expected, got, strict=True)],
+            "reports": reports, "budget": budget, "why": None if choice is None else choice.why,
             "names": None if session._recompute is None else list(session._recompute.names)}
+
+
+def _per_rank(rank: int) -> Callable[[int], int]:
+    return lambda step: 100 * step + rank
 
 
 def recompute_matches_plain(rank: int, world: int, kind: str, fraction: float, steps: int) -> dict[str, Any]:
     """FSDP2 or DDP: per step whether loss and local gradients are bitwise the plain run's, each
     step's report and what the session chose to rebuild."""
-    budget = int(fraction * _peak(kind, rank))
-    expected, _ = _train(kind, rank, None, steps)
-    session = OffloadSession(OffloadConfig(max_resident_activation_mb=budget / MIB, recompute="layers"))
-    got, reports = _train(kind, rank, session, steps)
-    return {"equal": [all(torch.equal(a, b) for a, b in zip(e, g, strict=True))
-                      for e, g in zip(expected, got, strict=True)],
-            "reports": reports, "budget": budget, **_choice(session)}
+    return _rebuilt_against_plain(lambda: _wrap(kind), _per_rank(rank), fraction, steps)
 
 
 def _tp_model(mesh: Any) -> nn.Module:
@@ -120,34 +131,7 @@ def tensor_parallel_recompute_matches_plain(rank: int, world: int, fraction: flo
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
-
-    def train(session: OffloadSession | None) -> tuple[list[list[torch.Tensor]], list[dict[str, Any]]]:
-        model = _tp_model(mesh)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        results, reports = [], []
-        for step in range(steps):
-            x = torch.randn(64, WIDTH, generator=torch.Generator().manual_seed(step))
-            with step_context(session):
-                loss = model(x).square().mean()
-                loss.backward()
-            results.append([loss.detach().clone()] + [_local(p.grad) for p in model.parameters()])
-            if session is not None:
-                assert session.last_report is not None
-                reports.append(session.last_report.as_dict())
-            optimizer.step()
-            optimizer.zero_grad()
-        return results, reports
-
-    probe = OffloadSession(OffloadConfig(max_resident_activation_mb=1e9))
-    train(probe)
-    assert probe.last_report is not None
-    budget = int(fraction * probe.last_report.peak_resident_bytes)
-    expected, _ = train(None)
-    session = OffloadSession(OffloadConfig(max_resident_activation_mb=budget / MIB, recompute="layers"))
-    got, reports = train(session)
-    return {"equal": [all(torch.equal(a, b) for a, b in zip(e, g, strict=True))
-                      for e, g in zip(expected, got, strict=True)],
-            "reports": reports, "budget": budget, **_choice(session)}
+    return _rebuilt_against_plain(lambda: _tp_model(mesh), lambda step: step, fraction, steps)
 
 
 def rank_fails_in_rebuilt_backward(rank: int, world: int, kind: str, bad: int, fail_step: int
@@ -158,7 +142,8 @@ def rank_fails_in_rebuilt_backward(rank: int, world: int, kind: str, bad: int, f
     how many seconds, and whether its session let go of everything and its modules got their
     own ``forward`` back."""
     model = _wrap(kind)
-    session = OffloadSession(OffloadConfig(max_resident_activation_mb=int(0.5 * _peak(kind, rank)) / MIB,
+    peak = _peak(lambda: _wrap(kind), _per_rank(rank))
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=int(0.5 * peak) / MIB,
                                            recompute="layers"))
     out: dict[str, Any] = {"rebuilt": [], "error": None}
     for step in range(fail_step + 1):
@@ -167,7 +152,7 @@ def rank_fails_in_rebuilt_backward(rank: int, world: int, kind: str, bad: int, f
             block.calls = 0
         if rank == bad and step == fail_step:
             blocks[-1].fail_on = 2
-        x = torch.randn(64, WIDTH, generator=torch.Generator().manual_seed(100 * step + rank))
+        x = torch.randn(64, WIDTH, generator=torch.Generator().manual_seed(_per_rank(rank)(step)))
         start = time.monotonic()
         try:
             with session:

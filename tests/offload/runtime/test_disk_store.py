@@ -20,7 +20,14 @@ import pytest
 import torch
 
 import hyperpar.offload.runtime.disk_store as disk_store
-from hyperpar.offload.runtime.disk_store import ALIGN, STAGING_BYTES, DiskFullError, DiskStore, Extent
+from hyperpar.offload.runtime.disk_store import (
+    ALIGN,
+    STAGING_BYTES,
+    DiskFullError,
+    DiskStore,
+    Extent,
+    aligned_bytes,
+)
 from tests.subprocess_harness import run_python
 
 LOGGER = disk_store.__name__
@@ -386,15 +393,11 @@ def test_aligned_bytes_move_in_place_and_unaligned_ones_through_staging(
         real(fd, buf, length, offset, writing=writing)
 
     monkeypatch.setattr(store, "_transfer", transfer)
-    raw = torch.empty(3 * ALIGN, dtype=torch.uint8)
-    skip = (-raw.data_ptr()) % ALIGN
-    aligned_src = raw[skip:skip + 2 * ALIGN]
-    aligned_src.copy_(random_bytes(2 * ALIGN, 3))
+    aligned_src = aligned_bytes(2 * ALIGN).copy_(random_bytes(2 * ALIGN, 3))
     extent = store.write(aligned_src)
-    out = torch.empty(3 * ALIGN, dtype=torch.uint8)
-    at = (-out.data_ptr()) % ALIGN
-    store.read(extent, out[at:at + 2 * ALIGN])
-    assert buffers == [1, 1] and torch.equal(out[at:at + 2 * ALIGN], aligned_src)
+    out = aligned_bytes(2 * ALIGN)
+    store.read(extent, out)
+    assert buffers == [1, 1] and torch.equal(out, aligned_src)
     buffers.clear()
     odd = random_bytes(ALIGN + 1, 4)
     assert torch.equal(read_back(store, store.write(odd)), odd) and buffers == [0, 0]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -166,21 +166,14 @@ def with_reads(arr: TraceArrays, op: np.ndarray, sid: np.ndarray) -> TraceArrays
     order = np.argsort(access_op, kind="stable")  # the given reads after the op's own accesses
     last_op = arr.last_op.copy()
     np.maximum.at(last_op, dense, op)
-    return TraceArrays(
-        num_ops=arr.num_ops,
+    return replace(  # the per-storage and per-op fields it does not change carry over
+        arr,
         access_op=access_op[order],
         access_sid=np.concatenate([arr.access_sid, sid])[order],
         access_write=np.concatenate([arr.access_write, np.zeros(len(op), dtype=bool)])[order],
         access_size=np.concatenate([arr.access_size, arr.size[dense]])[order],
-        duration_ms=arr.duration_ms,
-        sids=arr.sids,
-        first_op=arr.first_op,
         last_op=last_op,
         end_op=np.maximum(arr.end_op, last_op),
-        size=arr.size,
-        pinned_sids=arr.pinned_sids,
-        reserve_bytes=arr.reserve_bytes,
-        gap_boundary=arr.gap_boundary,
     )
 
 

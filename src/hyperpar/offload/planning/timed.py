@@ -128,7 +128,7 @@ class _TimedPlan:
         if which is not None:
             start, end = start[which], end[which]
         lowest = start + 1 if self.boundary is None else np.maximum(start + 1, self.boundary + 1)
-        return np.minimum(np.maximum(j, lowest), end)
+        return np.clip(j, lowest, end)
 
     def run(self, max_rounds: int) -> int:
         if self.n == 0 or int(self.base.max()) <= self.budget:

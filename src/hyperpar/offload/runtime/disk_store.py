@@ -69,6 +69,14 @@ def aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
+def aligned_bytes(nbytes: int) -> torch.Tensor:
+    """``nbytes`` uninitialized CPU bytes starting at an ``ALIGN`` boundary (what ``O_DIRECT``
+    moves in place; torch's own allocations are 64-byte aligned)."""
+    buffer = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    start = -buffer.data_ptr() % ALIGN
+    return buffer[start:start + nbytes]
+
+
 def _open_direct(path: str, block: memoryview) -> int:
     """A second descriptor on ``path`` with ``O_DIRECT``, tried with one aligned write of ``block``
     (some file systems accept the flag at open and refuse the I/O); ``OSError`` where refused."""
@@ -154,10 +162,8 @@ class DiskStore:
         self._file = _File(fd, path)
         self._finalizer = weakref.finalize(self, self._file.close)
         self.path = path
-        buffer = torch.empty(STAGING_BYTES + ALIGN, dtype=torch.uint8)
-        start = -buffer.data_ptr() % ALIGN
-        self._staging_tensor = buffer  # keeps the memory the view below points into
-        self._staging = memoryview(buffer[start:start + STAGING_BYTES].numpy())
+        self._staging_tensor = aligned_bytes(STAGING_BYTES)  # keeps the memory the view points into
+        self._staging = memoryview(self._staging_tensor.numpy())
         try:
             self.direct = self._choose_direct(direct)
         except BaseException:

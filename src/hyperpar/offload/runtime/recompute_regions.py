@@ -54,8 +54,10 @@ class RecomputeRegions:
         self.checks: list[tuple[str, int, torch.Tensor]] = []
         # id(module) -> the buffers its call wrote (BatchNorm's running statistics): a run
         # again in backward must leave them as forward did (``_StateKept``)
-        self._mutated: dict[int, tuple[str, ...]] = {}
-        self._buffer_names: dict[int, tuple[str, ...]] = {}  # id(module) -> its buffers' names
+        self.written_buffers: dict[int, tuple[str, ...]] = {}
+        # id(module) -> its buffers' names, looked up once (``named_buffers`` walks every
+        # submodule: 6.5 us a call, three times a rebuilt call, on a host-bound step)
+        self.buffer_names: dict[int, tuple[str, ...]] = {}
         self.graph_built = False  # a backward through a rebuilt call built a graph (create_graph=True)
 
     @contextmanager
@@ -133,8 +135,7 @@ def _checkpointed(forward: Callable[..., Any], rebuilt: Callable[[], None],
         if not at:  # nothing to keep: torch's own checkpoint (its inputs are Python's)
             rebuilt()
             return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
-        call = _Call(_StateKept(forward, module, regions._mutated, regions._buffer_names), leaves, spec, at,
-                     params, checks, regions)
+        call = _Call(_StateKept(forward, module, regions), leaves, spec, at, params, checks, regions)
         flat = _Rebuilt.apply(call, *[leaves[i] for i in at], *params)
         rebuilt()
         return call.output(flat)
@@ -152,14 +153,12 @@ class _StateKept:
     place and buffers assigned anew alike (by name).
     """
 
-    def __init__(self, forward: Callable[..., Any], module: Any, mutated: dict[int, tuple[str, ...]],
-                 names: dict[int, tuple[str, ...]]) -> None:
-        self.forward, self.module, self.mutated = forward, module, mutated
+    def __init__(self, forward: Callable[..., Any], module: Any, regions: RecomputeRegions) -> None:
+        self.forward, self.module, self.mutated = forward, module, regions.written_buffers
         self.ran = False
         self.before: dict[str, torch.Tensor] = {}  # the written buffers' values before the first run
         self.written: tuple[str, ...] = ()
-        # the module's buffer names, looked up once per module (``named_buffers`` walks every
-        # submodule: 6.5 us a call, three times a rebuilt call, on a host-bound step)
+        names = regions.buffer_names
         if isinstance(module, torch.nn.Module) and id(module) not in names:
             names[id(module)] = tuple(n for n, _ in module.named_buffers())
         self.names = names.get(id(module), ())

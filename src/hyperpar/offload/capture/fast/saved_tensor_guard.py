@@ -100,12 +100,10 @@ class SavedTensorGuard:
         # a Python storage object lives as long as its storage (torch preserves it), so its
         # id names it while it lives; the weak reference tells a new one at a dead one's id
         known = self._slots.get(id(st))
-        paged = None if self.moving is None or (known is not None and known[1]() is st) \
-            else self.moving.paged_slot(st)
         if known is not None and known[1]() is st:
             slot = known[0]
-        elif paged is not None:  # the fast path's copy of a slot paged back in: that slot
-            slot = paged
+        elif self.moving is not None and (paged := self.moving.paged_slot(st)) is not None:
+            slot = paged  # the fast path's copy of a slot paged back in: that slot
             self._slots[id(st)] = (slot, weakref.ref(st))
         else:
             ref = weakref.ref(st)
@@ -126,11 +124,11 @@ class SavedTensorGuard:
     def pack(self, t: Tensor) -> tuple[Any, ...]:
         k = self.count
         self.count = k + 1
-        if not self.saved_in_backward and _in_backward() != -1:
-            self.saved_in_backward = True
         fp = self.fingerprint(t)
         expected = self._expected
-        if expected is None:
+        if expected is None:  # recording (not the fast path): does backward save tensors?
+            if not self.saved_in_backward and _in_backward() != -1:
+                self.saved_in_backward = True
             self.fingerprints.append(fp)
             if self.log is not None:
                 self.log.packed(fp[2], t, _storage(t))
