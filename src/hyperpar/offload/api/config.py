@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +68,12 @@ class OffloadConfig:
     # models of ``hyperpar.offload.projection``), for the recompute choice and the offload
     # plan alike; None plans on the times measured here. The plan runs here unchanged.
     plan_for: str | None = None
+    # A host budget for offloaded activations (MiB), and the directory whose file holds what
+    # goes beyond it: copies the host cannot hold go on to disk and come back through host
+    # (``runtime/disk_tier.py``). Both or neither; None: host copies are bounded only by
+    # max_offload_activation_mb, past which storages stay on the device.
+    max_host_activation_mb: float | None = None
+    disk_dir: str | os.PathLike[str] | None = None
 
     def __post_init__(self) -> None:
         _check_mb("max_resident_activation_mb", self.max_resident_activation_mb)
@@ -121,6 +128,7 @@ class OffloadConfig:
             if not isinstance(self.plan_for, str) or self.plan_for.lower() not in DEVICES:
                 raise ValueError(f"OffloadConfig.plan_for must be None or one of {sorted(DEVICES)}, "
                                  f"got {self.plan_for!r}")
+        self._check_disk_tier()
         fraction = self.max_resident_fraction
         if fraction is not None:
             if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
@@ -128,6 +136,28 @@ class OffloadConfig:
                                 f"got {fraction!r}")
             if not 0 < fraction <= 1:  # NaN fails this too
                 raise ValueError(f"OffloadConfig.max_resident_fraction must be in (0, 1], got {fraction!r}")
+
+    def _check_disk_tier(self) -> None:
+        host, disk = self.max_host_activation_mb, self.disk_dir
+        if host is not None:
+            _check_mb("max_host_activation_mb", host)
+            if host == 0:
+                raise ValueError("OffloadConfig.max_host_activation_mb must be > 0 (every copy passes "
+                                 "through host on its way to disk), got 0")
+        if disk is not None and not isinstance(disk, (str, os.PathLike)):
+            raise TypeError(f"OffloadConfig.disk_dir must be None, a str or an os.PathLike, got {disk!r}")
+        if (host is None) != (disk is None):
+            given, missing = (("max_host_activation_mb", "disk_dir") if disk is None
+                              else ("disk_dir", "max_host_activation_mb"))
+            raise ValueError(f"OffloadConfig.{given}={host if disk is None else disk!r} needs "
+                             f"OffloadConfig.{missing} too: a host budget sends what exceeds it to a "
+                             f"directory's file, and the disk tier needs a host budget to start")
+
+    @property
+    def host_budget_bytes(self) -> int | None:
+        """The host budget in bytes, or None without a disk tier."""
+        host = self.max_host_activation_mb
+        return None if host is None else max(1, int(host * MIB))
 
     @property
     def budget_bytes(self) -> int:

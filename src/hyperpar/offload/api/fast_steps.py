@@ -136,7 +136,8 @@ class FastSteps:
         report = StepReport(phase="replay", op_count=plan.program.num_ops,
                             peak_resident_bytes=plan.program.planned_peak, budget_bytes=self._budget_bytes,
                             step_ms=(time.perf_counter() - fast.t0) * 1e3,
-                            predicted_step_ms=plan.predicted_ms, replay_path="fast")
+                            predicted_step_ms=plan.predicted_ms, replay_path="fast",
+                            peak_host_bytes=self._manager.peak_host_bytes)
         held: frozenset[int] = frozenset()
         if moving is not None:
             report.bytes_d2h, report.bytes_h2d = moving.bytes_d2h, moving.bytes_h2d

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections import OrderedDict
 from dataclasses import replace
@@ -132,10 +133,18 @@ class OffloadSession(FastSteps, RecomputeSteps):
                                  f"accelerator (available: {acc})")
         config = self.config
         self.device = device
-        self._pool = HostPool(config.offload_cap_bytes, pin_memory=device.type != "cpu")
+        host_budget = config.host_budget_bytes
+        cap = config.offload_cap_bytes if host_budget is None else min(config.offload_cap_bytes, host_budget)
+        self._pool = HostPool(cap, pin_memory=device.type != "cpu")
         engine: CopyEngine = (make_copy_engine(device, config.copy_engine)
                               if isinstance(config.copy_engine, str) else config.copy_engine)
+        old = getattr(self, "_manager", None)
+        if old is not None and old.tier is not None:
+            old.tier.close()
         self._manager = ResidencyManager(device, self._pool, engine, verify=config.verify)
+        if host_budget is not None:
+            assert config.disk_dir is not None
+            self._manager.use_disk(os.fspath(config.disk_dir), host_budget)
         self._timer = OpTimer(device)
 
     @property
@@ -216,11 +225,13 @@ class OffloadSession(FastSteps, RecomputeSteps):
         m = self._manager
         m.clear()
         m.bytes_d2h = m.bytes_h2d = m.demand_faults = m.cap_hits = 0
+        if m.tier is not None:
+            m.tier.begin_step()
         self._pool.new_step()
         budget = self._budget_bytes
         plan = self._choose()
         self._came_from, self._running = self._prev, plan
-        if plan is not None and self._fast_ok(plan):
+        if plan is not None and self._fast_ok(plan) and self._host_fits(plan):
             self._recompute_enter(None)
             try:
                 self._start_fast(plan)
@@ -261,6 +272,24 @@ class OffloadSession(FastSteps, RecomputeSteps):
         if isinstance(executor, WarmupExecutor):
             gc_pause.hold()  # the trace is many small acyclic objects: collect after the step
         return self
+
+    def _host_fits(self, plan: Plan) -> bool:
+        """The fast path copies into host slabs of its own, not through the disk tier: with a
+        host budget, only a plan whose host copies fit it may take it."""
+        host_budget = self.config.host_budget_bytes
+        return (host_budget is None or plan.move_schedule is None
+                or plan.move_schedule.host_bytes <= host_budget)
+
+    def close(self) -> None:
+        """Give back what the session holds between steps: host slabs, the disk tier's file
+        (unlinked) and its I/O thread. The session stays usable; a later step allocates again."""
+        if self._executor is not None or self._fast is not None:
+            raise RuntimeError("OffloadSession.close(): a step of this session is running; close it "
+                               "after the `with` block")
+        self._manager.clear()
+        self._pool.trim()
+        if self._manager.tier is not None:
+            self._manager.tier.close()
 
     def _abort_enter(self, executor: ExecutorBase, entered: bool) -> None:
         """Undo what a mode step's ``__enter__`` did before it failed."""
@@ -340,6 +369,8 @@ class OffloadSession(FastSteps, RecomputeSteps):
                 executor.timer.end_step()
             if not clean or pending is not None:
                 self._pool.trim()
+                if self._manager.tier is not None:
+                    self._manager.tier.close_file()  # nothing of a failed step left on disk
             self._executor = None
             self._mode = None
         if pending is not None:

@@ -59,6 +59,12 @@ class StepReport:
     # ``max_resident_fraction`` is a share of (None before a plan exists)
     kept_bytes: int | None = None
     movable_peak_bytes: int | None = None
+    # The disk tier (``OffloadConfig(max_host_activation_mb=..., disk_dir=...)``): bytes
+    # written to and read back from disk, and the host bytes held at the step's peak for
+    # activations (host slabs, pinned or not, and the disk tier's staging buffer)
+    bytes_to_disk: int = 0
+    bytes_from_disk: int = 0
+    peak_host_bytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -89,6 +95,9 @@ class StepReport:
                      f"{(self.kept_bytes or 0) / mib:.1f} MiB kept")
         if self.bytes_recomputed:
             text += f", recomputed {self.bytes_recomputed / mib:.1f} MiB"
+        if self.bytes_to_disk or self.bytes_from_disk:
+            text += (f", disk {self.bytes_to_disk / mib:.1f} MiB out / {self.bytes_from_disk / mib:.1f} "
+                     f"MiB in, host peak {self.peak_host_bytes / mib:.1f} MiB")
         return text
 
     @classmethod

@@ -111,6 +111,7 @@ class HostPool:
         self._lent: dict[int, tuple[int, int, int]] = {}  # slab data_ptr -> (arena, start, end)
         self._pending = 0  # free ranges that still carry an event
         self._step_peak = 0
+        self.step_peak_held_bytes = 0  # the most arena bytes held at once since the step began
         self._recent_peaks: deque[int] = deque(maxlen=window_steps)
         self._grew = False  # an arena was added since the last step began
         self._warned_cap = False
@@ -182,6 +183,7 @@ class HostPool:
             self._settle()
         self._refit(max(self._recent_peaks))
         self._grew = False
+        self.step_peak_held_bytes = self._held
 
     def trim(self) -> None:
         """Free every arena with nothing lent (after a failed step, or to give memory back)."""
@@ -285,6 +287,8 @@ class HostPool:
         self._next_aid += 1
         self._arenas[arena.aid] = arena
         self._held += arena.size
+        if self._held > self.step_peak_held_bytes:
+            self.step_peak_held_bytes = self._held
         self._insert_free(arena.aid, 0, arena.size, None)
 
     def _refit(self, need: int) -> None:
@@ -309,7 +313,7 @@ class HostPool:
         self._drop_all()
         sizes = self._layout(target)
         if sum(sizes) > self.cap_bytes:
-            sizes = [target] if target <= self.cap_bytes else []
+            sizes = [min(target, self.cap_bytes)] if self.cap_bytes else []  # one arena of the cap at most
         for nbytes in sizes:
             self._new_arena(nbytes)
 

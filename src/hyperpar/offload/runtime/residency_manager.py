@@ -32,6 +32,7 @@ import torch
 
 from hyperpar.offload.runtime.checksum import checksum
 from hyperpar.offload.runtime.copy_engine import CopyEngine
+from hyperpar.offload.runtime.disk_tier import DiskTier
 from hyperpar.offload.runtime.host_pool import HostPool
 from hyperpar.offload.runtime.normal_tensors import made_outside_inference_mode
 
@@ -88,6 +89,7 @@ class ResidencyManager:
         self.pool = pool
         self.engine = engine
         self.verify = verify
+        self.tier: DiskTier | None = None  # host budget: copies beyond it spill to disk (``use_disk``)
         self.entries: dict[int, StorageEntry] = {}
         self.by_key: dict[int, StorageEntry] = {}
         self.evicted: dict[int, StorageEntry] = {}  # key -> alive, non-resident entry
@@ -112,6 +114,25 @@ class ResidencyManager:
         """Swappable between steps (tests inject failing or slow engines this way)."""
         self._engine = engine
         self._async = bool(getattr(engine, "asynchronous", False))
+
+    def use_disk(self, directory: str, host_budget_bytes: int) -> None:
+        """Keep the host slabs of activations within ``host_budget_bytes``, the rest in ``directory``."""
+        self.tier = DiskTier(directory, host_budget_bytes, self.pool, self._finish,
+                             lambda event: self.engine.is_done(event), self.release_host)
+
+    @property
+    def bytes_to_disk(self) -> int:
+        return 0 if self.tier is None else self.tier.bytes_to_disk
+
+    @property
+    def bytes_from_disk(self) -> int:
+        return 0 if self.tier is None else self.tier.bytes_from_disk
+
+    @property
+    def peak_host_bytes(self) -> int:
+        """Host bytes held at the step's peak for activations: the pool's arenas (pinned or
+        not, carved or cached) and the disk tier's staging buffer."""
+        return self.pool.step_peak_held_bytes + (0 if self.tier is None else self.tier.held_bytes)
 
     # --- identity -------------------------------------------------------------------
     def bind(self, sid: int, storage: torch.UntypedStorage, producer_op: int = -1) -> StorageEntry:
@@ -181,7 +202,7 @@ class ResidencyManager:
         after = entry.host_event
         if entry.host is None or entry.host.numel() < nbytes:
             self._drop_host(entry)
-            got = self.pool.acquire_with_event(nbytes)
+            got = self.pool.acquire_with_event(nbytes) if self.tier is None else self.tier.acquire(nbytes)
             if got is None:
                 self.cap_hits += 1
                 return False
@@ -237,6 +258,8 @@ class ResidencyManager:
         if not final:
             entry.offloaded = True
             self.offloaded_bytes += entry.nbytes
+        if self.tier is not None:
+            self.tier.evicted(entry)
         return True
 
     def copy_h2d(self, entry: StorageEntry, demand: bool = False) -> None:
@@ -256,6 +279,9 @@ class ResidencyManager:
             if demand:
                 self.demand_faults += 1
             return
+        tier = self.tier
+        if tier is not None:
+            tier.bring_to_host(entry)
         assert entry.host is not None, f"storage {entry.sid} was released without a host copy"
         storage.resize_(entry.nbytes)
         dst, src = byte_view(storage), entry.host[: entry.nbytes]
@@ -269,6 +295,8 @@ class ResidencyManager:
             entry.host_event = None
         self._now_resident(entry)
         self.bytes_h2d += entry.nbytes
+        if tier is not None:
+            tier.returned(entry)
         if demand:
             self.demand_faults += 1
             self.wait_h2d(entry)
@@ -464,7 +492,7 @@ class ResidencyManager:
         try:
             if entry.free_pending:
                 ok = True  # the device bytes never left
-            elif isinstance(cause, HostCopyCorruptedError) or entry.host is None:
+            elif isinstance(cause, HostCopyCorruptedError) or not self._host_copy(entry):
                 ok = False
             else:
                 if entry.host_event is not None:
@@ -533,7 +561,19 @@ class ResidencyManager:
         self.away_bytes = 0
         self.offloaded_bytes = 0
 
+    def _host_copy(self, entry: StorageEntry) -> bool:
+        """Whether the entry's bytes are in its host slab (read back from disk if they were there)."""
+        if self.tier is not None:
+            try:
+                self.tier.bring_to_host(entry)
+            except BaseException as exc:
+                logger.warning("storage %d could not be read back from disk: %s", entry.sid, exc)
+                return False
+        return entry.host is not None
+
     def _drop_host(self, entry: StorageEntry) -> None:
+        if self.tier is not None:
+            self.tier.forget(entry)
         if entry.host is not None:
             self.pool.release(entry.host, entry.host_event)
             entry.host = None

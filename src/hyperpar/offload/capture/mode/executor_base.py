@@ -156,7 +156,8 @@ class ExecutorBase(OnlinePath):
             demand_faults=m.demand_faults, step_ms=step_ms,
             overshoot_bytes=max(self.peak_bytes - self.budget_bytes, 0),
             overshoot_op=self.peak_op if self.peak_bytes > self.budget_bytes else None,
-            offload_cap_hits=m.cap_hits, **extra,
+            offload_cap_hits=m.cap_hits, bytes_to_disk=m.bytes_to_disk, bytes_from_disk=m.bytes_from_disk,
+            peak_host_bytes=m.peak_host_bytes, **extra,
         )
 
     def finish(self, clean: bool, step_ms: float) -> tuple[StepReport, Exception | None]:

@@ -1,0 +1,318 @@
+"""The host budget: host copies beyond it go to a ``DiskStore`` and come back through host.
+
+The residency manager asks this tier for every host slab (``acquire``) and tells it when a
+storage leaves the device (``evicted``) and when its bytes must be on host again
+(``bring_to_host``). The policy is online and needs no plan:
+
+- **Spill the oldest first.** Backward reads activations in the reverse order forward made
+  them, so of the host copies waiting, the one evicted longest ago is needed last. Once the
+  slabs in use pass ``SPILL_AT`` of the budget, copies are written out oldest first on the
+  tier's I/O thread, ahead of need; a slab the budget needs now waits for those writes.
+- **Read back the newest first.** Each copy back to the device (backward, mostly) frees host
+  room; the tier then starts reading the most recently spilled extents into host while the
+  slabs in use stay under ``SPILL_AT`` of the budget (the same mark, so forward never reads
+  back what it just wrote). A copy the device needs before its read was started is read at
+  once (``demand_reads``).
+- **Never lose a byte.** A slab goes back to the pool only once its write finished; a failed
+  write (a full disk) leaves the copy on host, stops spilling for the rest of the step and
+  says so once; what then does not fit the host budget stays on the device (the pool's cap),
+  which the step's report shows as bytes over the device budget. Bytes read back are checked
+  in ``verify`` mode like any host copy (the checksum is taken at the copy off the device).
+
+Only the compute thread calls in; the I/O thread does nothing but ``DiskStore.write`` and
+``read`` on slabs the tier holds until their future is collected. The store (its one file)
+is opened at the first spill and closed, the file unlinked, by ``close_file`` (a failed
+step, ``close``) or at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hyperpar.offload.runtime.disk_store import ALIGN, STAGING_BYTES, DiskStore, Extent, _check_directory
+from hyperpar.offload.runtime.host_pool import HostPool, aligned
+
+logger = logging.getLogger(__name__)
+
+SPILL_AT = 0.75  # share of the host budget in use past which copies are written out ahead of need
+
+
+@dataclass(slots=True, eq=False)
+class _Spilled:
+    """One storage's host copy on its way to disk, on disk, or on its way back."""
+
+    nbytes: int
+    slab: torch.Tensor | None  # held while a write reads it or a read fills it
+    future: Future[Any] | None = None
+    extent: Extent | None = None
+    writing: bool = False
+
+
+class DiskTier:
+    """Host slabs for the residency manager, within ``budget_bytes``, spilling to ``directory``.
+
+    ``finish(event)`` makes the host wait for a copy (the engine's ``finish``): a slab is
+    written out only once its copy off the device is done, and filled only once the copy
+    that used it last is done. ``drop_copy(entry)`` drops the host copy of a storage back on
+    the device (the manager's ``release_host``): the first room taken when the budget is full,
+    as such a copy only saves a copy out should the storage leave again.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], budget_bytes: int, pool: HostPool,
+                 finish: Callable[[Any], None], is_done: Callable[[Any], bool],
+                 drop_copy: Callable[[Any], None], *, direct: bool | None = None) -> None:
+        self.directory = os.fspath(directory)
+        _check_directory(self.directory)
+        self.budget_bytes = budget_bytes
+        self.pool = pool
+        self._finish = finish
+        self._is_done = is_done
+        self._drop_copy = drop_copy
+        self._direct = direct
+        self.store: DiskStore | None = None
+        self._io: ThreadPoolExecutor | None = None
+        self._host: OrderedDict[Any, None] = OrderedDict()  # evicted, their copy on host, oldest first
+        self._returned: OrderedDict[Any, None] = OrderedDict()  # back on the device, their slab kept
+        self._spilled: dict[Any, _Spilled] = {}  # entry -> its copy written, on disk, or read back
+        self._on_disk: OrderedDict[Any, None] = OrderedDict()  # entries wholly on disk, oldest spill first
+        self._failed: BaseException | None = None  # a write failed this step: spilling stopped
+        self.bytes_to_disk = 0
+        self.bytes_from_disk = 0
+        self.demand_reads = 0
+
+    # --- what the residency manager calls -------------------------------------------
+    def acquire(self, nbytes: int) -> tuple[torch.Tensor, Any] | None:
+        """A host slab for ``nbytes`` (and the event of its last copy), within the budget when
+        spilling can make the room; None when neither the budget nor the pool has it."""
+        self.make_room(aligned(max(nbytes, 1)))
+        got = self.pool.acquire_with_event(nbytes)
+        while got is None:  # the pool's cap: room in fragments, freed until one holds the slab
+            if self._returned:
+                self._drop_copy(next(iter(self._returned)))
+            elif not self._spill_oldest(wait=True):
+                break  # nothing left to free
+            got = self.pool.acquire_with_event(nbytes)
+        return got
+
+    def evicted(self, entry: Any) -> None:
+        """``entry`` left the device with a current host copy: it may be spilled."""
+        self._returned.pop(entry, None)
+        self._host[entry] = None
+        self._host.move_to_end(entry)
+        self._spill_ahead()
+
+    def holds(self, entry: Any) -> bool:
+        return entry in self._spilled
+
+    def bring_to_host(self, entry: Any) -> None:
+        """``entry.host`` holds its bytes on return (read now if no read was started). Raises
+        when no host room can be made for the read; the bytes then stay on disk."""
+        self._host.pop(entry, None)
+        rec = self._spilled.get(entry)
+        if rec is None:
+            return
+        if not rec.writing and rec.future is None:  # on disk and not asked for yet: read it now
+            got = self.acquire(rec.nbytes)
+            if got is None:
+                raise RuntimeError(f"hyperpar disk tier: no host room ({self.pool.in_use_bytes} of "
+                                   f"{self.budget_bytes} bytes in use) to read storage {entry.sid} back")
+            self.demand_reads += 1
+            self._on_disk.pop(entry, None)
+            self._start_read(rec, got)
+        del self._spilled[entry]
+        future, rec.future = rec.future, None
+        assert future is not None
+        try:
+            done = future.result()
+        except BaseException as exc:
+            if rec.writing:  # the slab still has the bytes: nothing was lost
+                logger.debug("a disk write no longer needed failed: %s", exc)
+            else:  # the read failed: those bytes are lost, the slab goes back
+                self._free_extent(rec)
+                if rec.slab is not None:
+                    self.pool.release(rec.slab, None)
+                rec.slab = None
+                raise
+        else:
+            if rec.writing:  # the slab still has the bytes: the write was for nothing
+                rec.extent = done
+        entry.host, entry.host_event = rec.slab, None
+        rec.slab = None
+        self._free_extent(rec)
+
+    def returned(self, entry: Any) -> None:
+        """``entry`` is on the device again and keeps its host slab; host room it freed may
+        take spilled copies back."""
+        self._returned[entry] = None
+        self.prefetch()
+
+    def prefetch(self) -> None:
+        """Start reading the most recently spilled copies back while host room allows."""
+        if not self._on_disk:
+            return
+        self._collect()
+        limit = int(SPILL_AT * self.budget_bytes)
+        for entry in reversed(list(self._on_disk)):
+            rec = self._spilled[entry]
+            if self.pool.in_use_bytes + aligned(rec.nbytes) > limit:
+                break
+            got = self.pool.acquire_with_event(rec.nbytes)
+            if got is None:
+                break
+            del self._on_disk[entry]
+            self._start_read(rec, got)
+
+    def forget(self, entry: Any) -> None:
+        """The storage died or its host copy is dropped: its writes and reads end, its room returns."""
+        self._host.pop(entry, None)
+        self._returned.pop(entry, None)
+        self._on_disk.pop(entry, None)
+        rec = self._spilled.pop(entry, None)
+        if rec is None:
+            return
+        if rec.future is not None and not rec.future.cancel():
+            try:
+                done = rec.future.result()
+            except Exception as exc:  # nothing to keep: the storage is gone
+                logger.debug("disk I/O of a forgotten storage failed: %s", exc)
+            else:
+                if rec.writing:
+                    rec.extent = done
+        if rec.slab is not None and rec.slab is not entry.host:
+            self.pool.release(rec.slab, None)
+        rec.slab = None
+        self._free_extent(rec)
+
+    def begin_step(self) -> None:
+        """The step's counters from zero; a write failure is tried (and said) again."""
+        self._failed = None
+        self.bytes_to_disk = self.bytes_from_disk = self.demand_reads = 0
+
+    def close_file(self) -> None:
+        """Unlink the store's file (after a failed step, or for good); reopened at the next spill."""
+        store, self.store = self.store, None
+        if store is not None:
+            store.close()
+
+    def close(self) -> None:
+        self.close_file()
+        io, self._io = self._io, None
+        if io is not None:
+            io.shutdown(wait=True)
+
+    @property
+    def held_bytes(self) -> int:
+        """Host bytes of the tier itself: the store's aligned staging buffer while it is open."""
+        return 0 if self.store is None else STAGING_BYTES + ALIGN
+
+    # --- spilling -------------------------------------------------------------------
+    def make_room(self, size: int) -> None:
+        """Slabs in use plus ``size`` within the budget, waiting for writes if need be."""
+        self._collect()
+        target = self.budget_bytes - size
+        while self.pool.in_use_bytes > target and self._returned:
+            self._drop_copy(next(iter(self._returned)))  # forgets it here (``forget``)
+        if self.pool.in_use_bytes <= target:
+            return
+        self._spill_until(target)
+        while self.pool.in_use_bytes > target and self._wait_oldest_write():
+            pass
+
+    def _spill_ahead(self) -> None:
+        if self.pool.in_use_bytes > SPILL_AT * self.budget_bytes:
+            self._collect()
+            self._spill_until(int(SPILL_AT * self.budget_bytes))
+
+    def _spill_until(self, target: int) -> None:
+        """Start writes, oldest copy first, until the slabs not being written fit ``target``."""
+        writing = sum(aligned(r.nbytes) for r in self._spilled.values() if r.writing)
+        while self.pool.in_use_bytes - writing > target and self._failed is None:
+            size = self._spill_oldest(wait=False)
+            if not size:
+                return
+            writing += size
+
+    def _spill_oldest(self, wait: bool) -> int:
+        """Start writing the oldest host copy (``wait``: and wait for it); its slab's size, 0 if none."""
+        if self._failed is not None or not self._host:
+            return 0 if not wait else int(self._wait_oldest_write())
+        entry, _ = self._host.popitem(last=False)
+        if entry.host_event is not None:
+            self._finish(entry.host_event)  # its copy off the device has written the slab
+            entry.host_event = None
+        rec = _Spilled(nbytes=entry.nbytes, slab=entry.host, writing=True)
+        entry.host = None  # the tier holds the slab until the write is collected
+        if self.store is None:
+            self.store = DiskStore(self.directory, direct=self._direct)
+        if self._io is None:
+            self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hyperpar-disk")
+        assert rec.slab is not None
+        rec.future = self._io.submit(self.store.write, rec.slab[:rec.nbytes])
+        self._spilled[entry] = rec
+        if wait:
+            self._collect(rec.future)
+        return aligned(rec.nbytes)
+
+    def _wait_oldest_write(self) -> bool:
+        for rec in self._spilled.values():
+            if rec.writing and rec.future is not None:
+                self._collect(rec.future)
+                return True
+        return False
+
+    def _collect(self, wait_for: Future[Any] | None = None) -> None:
+        """Finished writes give their slabs back to the pool (``wait_for``: that one first)."""
+        if wait_for is not None:
+            try:
+                wait_for.result()
+            except Exception:
+                pass  # handled below, with the others
+        for entry, rec in list(self._spilled.items()):
+            if not rec.writing or rec.future is None or not rec.future.done():
+                continue
+            exc = rec.future.exception()
+            rec_extent = None if exc is not None else rec.future.result()
+            rec.future, rec.writing = None, False
+            if exc is not None:  # the bytes are still in the slab: keep them on host
+                del self._spilled[entry]
+                entry.host = rec.slab
+                self._host[entry] = None
+                self._host.move_to_end(entry, last=False)
+                self._fail(exc)
+                continue
+            assert rec.slab is not None
+            rec.extent = rec_extent
+            self.pool.release(rec.slab, None)
+            rec.slab = None
+            self.bytes_to_disk += rec.nbytes
+            self._on_disk[entry] = None
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._failed is None:
+            logger.warning("hyperpar disk tier: writing to %s failed (%s); spilling stops for this step, "
+                           "host copies stay on host and what the host budget cannot hold stays on "
+                           "the device", self.directory, exc)
+        self._failed = exc
+
+    # --- reading back ---------------------------------------------------------------
+    def _start_read(self, rec: _Spilled, got: tuple[torch.Tensor, Any]) -> None:
+        slab, after = got
+        if after is not None and not self._is_done(after):
+            self._finish(after)  # the slab's last copy still reads it
+        assert rec.extent is not None and self.store is not None and self._io is not None
+        rec.slab = slab
+        rec.future = self._io.submit(self.store.read, rec.extent, slab[:rec.nbytes])
+        self.bytes_from_disk += rec.nbytes
+
+    def _free_extent(self, rec: _Spilled) -> None:
+        extent, rec.extent = rec.extent, None
+        if extent is not None and self.store is not None:
+            self.store.free(extent)

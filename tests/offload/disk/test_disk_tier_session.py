@@ -1,0 +1,167 @@
+"""The disk tier under a session (issue 42): host copies beyond ``max_host_activation_mb`` go
+to a file in ``disk_dir`` and come back through host; gradients stay bitwise, the host
+budget holds, and the file is gone when the session closes or a step fails."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from hyperpar.offload import OffloadConfig, OffloadSession
+from hyperpar.offload.runtime.disk_store import ALIGN, FILE_PREFIX, STAGING_BYTES
+
+MIB = 1 << 20
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+                           for _ in range(6)])
+
+
+def _x(step: int) -> torch.Tensor:
+    return torch.randn(256, 64, generator=torch.Generator().manual_seed(step))
+
+
+def _step(model: nn.Module, step: int, session: OffloadSession | None = None) -> torch.Tensor:
+    if session is None:
+        loss = model(_x(step)).square().mean()
+        loss.backward()
+        return loss.detach()
+    with session:
+        loss = model(_x(step)).square().mean()
+        loss.backward()
+    return loss.detach()
+
+
+def _peak() -> int:
+    probe = OffloadSession(OffloadConfig(max_resident_activation_mb=1e6))
+    _step(_model(), 0, probe)
+    assert probe.last_report is not None
+    return probe.last_report.peak_resident_bytes
+
+
+def _files(directory: Path) -> list[str]:
+    return [name for name in os.listdir(directory) if name.startswith(FILE_PREFIX)]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> object:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # bitwise comparisons: plain PyTorch on 2 threads is not deterministic
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(("device_share", "host_share"), [(0.6, 0.1), (0.6, 0.3), (0.8, 0.08), (1.0, 0.2)])
+def test_gradients_stay_bitwise_and_the_host_budget_holds(tmp_path: Path, device_share: float,
+                                                          host_share: float) -> None:
+    peak = _peak()
+    host_budget = host_share * peak
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=device_share * peak / MIB,
+                                           max_host_activation_mb=host_budget / MIB, disk_dir=tmp_path))
+    plain, off = _model(), _model()
+    spilled = 0
+    for step in range(5):
+        assert torch.equal(_step(plain, step), _step(off, step, session)), f"step {step}: loss"
+        for p, q in zip(plain.parameters(), off.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), f"step {step}: a gradient differs"
+            p.grad = q.grad = None
+        report = session.last_report
+        assert report is not None
+        assert report.peak_resident_bytes <= report.budget_bytes * 1.02 + 64 * 1024, str(report)
+        # the host held no more than its budget (the pool's arenas) and the store's staging buffer
+        assert report.peak_host_bytes <= host_budget + STAGING_BYTES + ALIGN, str(report)
+        assert report.bytes_from_disk <= report.bytes_to_disk
+        spilled += report.bytes_to_disk
+        if device_share < 1.0:
+            assert report.bytes_d2h > 0
+    if device_share < 1.0:
+        assert spilled > 0, "nothing went to disk though the host budget is a fraction of what moved"
+        assert _files(tmp_path), "the store's file lives while the session does"
+    session.close()
+    assert _files(tmp_path) == [], "close() unlinks the store's file"
+    # the session stays usable after close(): the file comes back at the next spill
+    assert torch.equal(_step(plain, 9), _step(off, 9, session))
+    session.close()
+    assert _files(tmp_path) == []
+
+
+def test_a_step_that_raises_leaves_no_file_and_every_kept_tensor_whole(tmp_path: Path) -> None:
+    peak = _peak()
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=0.6 * peak / MIB,
+                                           max_host_activation_mb=0.1 * peak / MIB, disk_dir=tmp_path))
+    model, twin = _model(), _model()
+    _step(model, 0, session)  # warmup: the plan
+    kept: list[torch.Tensor] = []
+    expected: list[torch.Tensor] = []
+    with pytest.raises(ValueError, match="boom"):
+        with session:
+            h = _x(1)
+            for layer in model:
+                h = layer(h)
+                kept.append(h)
+            with torch.no_grad():
+                ref = _x(1)
+                for layer in twin:
+                    ref = layer(ref)
+                    expected.append(ref)
+            h.square().mean().backward()
+            assert session._manager.bytes_to_disk > 0, "the failing step spilled nothing: it tests no disk"
+            raise ValueError("boom")
+    assert _files(tmp_path) == [], "a failed step unlinks the store's file"
+    for got, want in zip(kept, expected, strict=True):
+        assert torch.equal(got.detach(), want), "an activation the user kept came back other than it left"
+    _step(model, 2, session)  # and the next step runs
+    session.close()
+
+
+def test_files_are_removed_at_interpreter_exit_without_close(tmp_path: Path) -> None:
+    code = f"""
+import torch
+from torch import nn
+from hyperpar.offload import OffloadConfig, OffloadSession
+torch.manual_seed(0)
+m = nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(6)])
+s = OffloadSession(OffloadConfig(max_resident_activation_mb=0.5, max_host_activation_mb=0.2,
+                                 disk_dir={str(tmp_path)!r}))
+for _ in range(2):
+    with s:
+        m(torch.randn(256, 64)).square().mean().backward()
+assert s.last_report.bytes_to_disk > 0, s.last_report
+print("spilled", s.last_report.bytes_to_disk)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "spilled" in done.stdout
+    assert _files(tmp_path) == []
+
+
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    ({"max_host_activation_mb": 64}, ValueError, "needs OffloadConfig.disk_dir"),
+    ({"disk_dir": "/tmp"}, ValueError, "needs OffloadConfig.max_host_activation_mb"),
+    ({"max_host_activation_mb": 0, "disk_dir": "/tmp"}, ValueError, "must be > 0"),
+    ({"max_host_activation_mb": -1, "disk_dir": "/tmp"}, ValueError, "max_host_activation_mb"),
+    ({"max_host_activation_mb": "64", "disk_dir": "/tmp"}, TypeError, "max_host_activation_mb"),
+    ({"max_host_activation_mb": 64, "disk_dir": 3}, TypeError, "disk_dir"),
+])
+def test_bad_disk_tier_settings_fail_when_the_config_is_built(kwargs: dict[str, object],
+                                                              error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        OffloadConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_missing_or_non_directory_disk_dir_fails_when_the_session_is_built(tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match="nope"):
+        OffloadSession(OffloadConfig(max_host_activation_mb=8, disk_dir=missing))
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    with pytest.raises(NotADirectoryError, match="not a directory"):
+        OffloadSession(OffloadConfig(max_host_activation_mb=8, disk_dir=a_file))
