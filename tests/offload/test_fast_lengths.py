@@ -73,6 +73,25 @@ def test_a_longer_step_falls_back_once_then_teaches_its_plan() -> None:
     assert structure.departures == 0
 
 
+def test_after_learning_steps_that_missed_the_length_covered_lengths_stay_fast() -> None:
+    """Four checked 48 steps after a 64 fallback do not teach 64: at the next 64 fallback
+    the 48 steps stay fast (before, each such fallback made every length checked for four
+    steps, which random lengths paid at each of their longest few); the one after begins
+    learning steps again, and 64 is learned once a 64 step comes among them."""
+    budget = _budget_at(64, 1.0)
+    lengths = [48] * 8 + [64] + [48] * 5 + [64, 48, 48] + [64, 64, 64, 48, 64, 48]
+    session, reports = _steps(_plain_body, budget, lengths)
+    paths = [r.replay_path for r in reports]
+    _settled(paths[:8])
+    assert paths[8:14] == ["fallback"] + ["checked"] * 4 + ["fast"], paths  # learning steps: no 64
+    assert paths[14:17] == ["fallback", "fast", "fast"], paths  # passed: 48 stays fast
+    assert reports[14].departed_at_saved == 0, reports[14]
+    assert paths[17:20] == ["fallback", "checked", "checked"], paths  # learning again: 64 planned, learned
+    assert paths[20:] == ["fast"] * 3, paths
+    structure = next(iter(session._structures.values()))
+    assert structure.departures == 0, structure
+
+
 def test_a_covered_step_that_aliases_otherwise_departs() -> None:
     def body(x: torch.Tensor, ws: list[torch.Tensor], step: int) -> torch.Tensor:
         return _aliasing(x, ws, 0 if x.shape[0] == 64 else 3)

@@ -12,13 +12,13 @@ from typing import Any
 
 import torch
 
-from hyperpar.offload.api.plans import FastStep, Plan
+from hyperpar.offload.api.plans import FastStep, Plan, Structure
 from hyperpar.offload.capture import ExecutorBase, OffloadDispatchMode, ReplayExecutor, host_reads
 from hyperpar.offload.capture.checked.replay_program import size_bucket
 from hyperpar.offload.capture.fast.fast_moves import MovingStep
 from hyperpar.offload.capture.fast.fast_replay import FallbackExecutor
 from hyperpar.offload.capture.fast.fast_schedule import EventLog, MoveSchedule, Refusal
-from hyperpar.offload.capture.fast.saved_tensor_guard import SavedTensorGuard, covers, covers_all
+from hyperpar.offload.capture.fast.saved_tensor_guard import Fingerprint, SavedTensorGuard, covers, covers_all
 from hyperpar.offload.ir import ActivationTrace
 from hyperpar.offload.ir.packed import PackedTrace
 from hyperpar.offload.ir.report import StepReport
@@ -30,6 +30,7 @@ logger = logging.getLogger("hyperpar.offload.api.session")
 MAX_REFINEMENTS = 5  # re-plans of a plan, each keeping more storages on the device for the fast path
 FAST_DEPARTURES = 2  # fast steps of a structure that departed, after which it stays checked
 LEARN_STEPS = 4  # checked steps, at most, for a size's plan to learn its saved tensors
+LEARN_BACKOFF = 2  # learning steps that missed their length: the fallbacks passed next grow so (1, 2, 4)
 MAX_SIZE_MISSES = 3  # steps in a row no plan covered (none fast, nothing learned between): stay checked
 
 
@@ -79,6 +80,7 @@ class FastSteps:
                     "keeps the budget online", index, why)
         m = self._manager
         executor = FallbackExecutor(m, self.device, self._budget_bytes, index, why, fast.guard.storages)
+        executor.missed = fast.missed
         if fast.moving is not None:  # Python held storages the plan released: plan with them kept
             executor.held_bytes, executor.held_sids = fast.moving.held_past_release, fast.moving.held_sids
             fast.moving.mode_evicts = True
@@ -117,6 +119,7 @@ class FastSteps:
         if found is None:
             covering = [p for p in plans if covers(p.packs[0], first) and self._fast_ok(p)]
             if not covering:
+                fast.missed = first
                 return None
             found = min(covering, key=lambda p: math.prod(p.packs[0][0]))
         if found is not fast.plan:
@@ -181,7 +184,7 @@ class FastSteps:
             # (else the guard took it), longer than any learned; checked steps teach it. A
             # structure that keeps missing with nothing learned between stays checked: the
             # checked replay follows any length, the fast path only ones a plan covers
-            structure.to_learn = LEARN_STEPS
+            self._learn_after_miss(structure, executor.missed)
             structure.size_misses += 1
             if structure.size_misses > MAX_SIZE_MISSES:
                 structure.departures = FAST_DEPARTURES
@@ -190,6 +193,25 @@ class FastSteps:
         self._recompute_report(report)  # its calls were rebuilt whichever path ran them
         self.phase = "warmup" if self._choose() is None else "replay"
         self.last_report = report
+
+    @staticmethod
+    def _learn_after_miss(structure: Structure, missed: Fingerprint | None) -> None:
+        """Checked steps after a fallback no plan covered, unless the last ones taught nothing:
+        they are checked whatever their length, and teach the missed one only if a step that
+        long comes among them (random lengths: the longest few rarely do, and each fallback
+        made every length checked for ``LEARN_STEPS`` steps). After learning steps that did
+        not cover their fallback's length, the next 1, 2, 4, ... such fallbacks pass with the
+        lengths plans cover staying fast; a repeating length is still learned, a few
+        fallbacks later at most."""
+        last = structure.missed
+        if last is not None and not structure.to_learn:  # the learning steps it began are over
+            taught = any(p.packs and covers(p.packs[0], last) for p in structure.sizes.values())
+            structure.learn_backoff = 0 if taught else max(1, LEARN_BACKOFF * structure.learn_backoff)
+            structure.learn_skips, structure.missed = structure.learn_backoff, None
+        if structure.learn_skips:
+            structure.learn_skips -= 1
+        else:
+            structure.to_learn, structure.missed = LEARN_STEPS, missed
 
     def _off_plan(self, plan: Plan, held: frozenset[int]) -> None:
         """A fast step left its plan: checked again next time; where it was storages Python

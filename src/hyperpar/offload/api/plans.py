@@ -26,6 +26,7 @@ class FastStep:
     t0: float
     thread: int  # the step's thread (a departure elsewhere cannot switch it to the mode)
     moving: MovingStep | None = None  # the plan's moves at saved-tensor events (a plan that moves bytes)
+    missed: Fingerprint | None = None  # the first saved tensor, where no plan covered it
 
 
 @dataclass(eq=False)
@@ -84,6 +85,11 @@ class Structure:
     # checked replay yet fell back at its first saved tensor, so its plan needs one
     to_learn: int = 0
     size_misses: int = 0  # such fallbacks in a row (a fast step or a learned plan resets it)
+    # the first saved tensor of the fallback that began the learning steps: they taught it
+    # if a plan's now covers it
+    missed: Fingerprint | None = None
+    learn_skips: int = 0  # such fallbacks still to pass without learning steps (``learn_backoff``)
+    learn_backoff: int = 0  # fallbacks passed after the last learning steps (0: they taught their length)
 
 
 def signature_of(packed: PackedTrace, keys: list[object]) -> int:

@@ -48,6 +48,7 @@ class FallbackExecutor(ExecutorBase):
         self.held_bytes = 0  # released storages Python still held (the fast path's moves)
         self.held_sids: frozenset[int] = frozenset()
         self.fast_moves: Any = None  # the fast part's ``MovingStep``: its copies count in the report
+        self.missed: Any = None  # the first saved tensor's fingerprint, where no plan covered it
         table, seen = self.table, set()
         for k, ref in enumerate(storages):  # producers before op 0, oldest first (evicted first)
             st = ref()
