@@ -15,7 +15,7 @@ python3 -m venv .venv
 if [ "$#" -eq 0 ]; then
   for seed in 1 2; do
     HYPERPAR_COPY_ENGINE="chaos:$seed" .venv/bin/python -m pytest -q -p no:cacheprovider \
-      tests/offload/test_*.py tests/offload/verify tests/offload/api \
+      tests/offload/test_*.py tests/offload/verify tests/offload/api tests/offload/disk \
       tests/reliability/test_offload_faults.py tests/reliability/test_failure_keeps_tensors_whole.py
   done
 fi

@@ -29,6 +29,8 @@ CHEAP = {  # stem -> arguments of a run that takes a few seconds
     "fast_paths": ["benchmarks/fast_paths.py", "--families", "tiny-ops", "--fractions", "0.5", "--steps", "3",
                    "--tiny-layers", "20"],
     "disk_store": ["benchmarks/disk_store.py", "--mib", "16", "--sizes", "1", "4", "--repeats", "1"],
+    "disk_tier": ["benchmarks/disk_tier.py", "--size", "tiny", "--batch-size", "8", "--steps", "3",
+                  "--settle", "1", "--rss-steps", "2", "--raw-mib", "16"],
 }
 EXPENSIVE = ("moe", "compile", "variable_lengths", "variable_shapes_models", "fuzz_failures",
              "multicore_hang_paths", "warmup_budget", "planner", "offload", "host_cost",

@@ -154,6 +154,17 @@ def _disk_store(out: str) -> None:
     assert "raw (" in out and "store, 1 MiB tensors: write" in out and "NOT BITWISE" not in out, out
 
 
+def _disk_tier_example(out: str) -> None:
+    assert "losses bitwise equal to plain; files left in disk_dir after close(): []" in out, out
+    went = [float(part.split()[2]) for line in out.splitlines() if line.startswith("step ")
+            for part in line.split(", ") if part.startswith("to disk")]
+    assert went and max(went) > 0, f"nothing went to disk:\n{out}"
+
+
+def _disk_tier_bench(out: str) -> None:
+    assert "bitwise True" in out and "disk per step:" in out and "peak RSS" in out, out
+
+
 def _plan_json(out: str) -> None:
     doc = json.loads(out)
     assert {"plain_ms", "step_ms", "full_ac_ms", "peak_bytes", "budget_bytes", "offload_bytes",
@@ -235,6 +246,10 @@ KNOWN: dict[str, Run | Skip] = {
         _recompute_cpu, "hf"),
     ".venv/bin/python benchmarks/disk_store.py --out benchmarks/results/disk_store.json": Run(
         ("--mib", "16", "--sizes", "1", "--repeats", "1", "--out", "{tmp}/disk_store.json"), _disk_store),
+    ".venv/bin/python examples/offload_disk_tier.py": Run(("--steps", "3"), _disk_tier_example),
+    ".venv/bin/python benchmarks/disk_tier.py --out benchmarks/results/disk_tier.json": Run(
+        ("--size", "tiny", "--batch-size", "8", "--steps", "3", "--settle", "1", "--rss-steps", "2",
+         "--raw-mib", "16", "--out", "{tmp}/disk_tier.json"), _disk_tier_bench),
     ".venv/bin/python benchmarks/fast_paths.py --out benchmarks/results/fast_paths.json": Run(
         ("--families", "tiny-ops", "--fractions", "0.5", "--steps", "3", "--tiny-layers", "20",
          "--out", "{tmp}/fast_paths.json"), _fast_paths),

@@ -24,7 +24,7 @@ PAGES = ("README.md", "docs/*.md")
 README_ORDER = ("moe", "offload", "planner", "variable_lengths", "variable_shapes_models", "compile",
                 "multicore_hang_paths", "fuzz_failures", "replay_instructions",
                 "replay_overhead_cpu", "tiny_ops", "warmup_budget", "grown_steps", "host_cost",
-                "gpu_projection", "whole_model_projection", "recompute_cpu", "disk_store")
+                "gpu_projection", "whole_model_projection", "recompute_cpu", "disk_store", "disk_tier")
 HEADER = ("| what was measured | value [spread] | goal | command | machine, date | detail |\n"
           "|---|---|---|---|---|---|")
 _BLOCK = re.compile(r"(<!-- results(?::(?P<stem>[\w.-]+))?:begin -->\n)(?P<body>.*?)"

@@ -91,7 +91,8 @@ REPLAN_GROWTH = 1.01
 _UNKNOWN = object()  # no step has followed this structure yet
 # A replay's totals its Chrome trace carries: what it offloaded (D2H, H2D), rebuilt in
 # backward instead of keeping, and what stayed on the device against the budget.
-STEP_TOTALS = ("bytes_d2h", "bytes_h2d", "bytes_recomputed", "peak_resident_bytes", "budget_bytes")
+STEP_TOTALS = ("bytes_d2h", "bytes_h2d", "bytes_recomputed", "peak_resident_bytes", "budget_bytes",
+               "bytes_to_disk", "bytes_from_disk", "peak_host_bytes")  # the three tiers
 
 
 class OffloadSession(FastSteps, RecomputeSteps):

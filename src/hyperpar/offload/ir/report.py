@@ -65,6 +65,10 @@ class StepReport:
     bytes_to_disk: int = 0
     bytes_from_disk: int = 0
     peak_host_bytes: int = 0
+    # the disk tier's I/O thread: time spent writing and reading those bytes (their bandwidth
+    # is bytes over time; the time overlaps compute unless the step waited for it)
+    disk_write_ms: float = 0.0
+    disk_read_ms: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -128,6 +128,11 @@ class ResidencyManager:
     def bytes_from_disk(self) -> int:
         return 0 if self.tier is None else self.tier.bytes_from_disk
 
+    def disk_ms(self) -> tuple[float, float]:
+        """Milliseconds the disk tier's I/O thread spent writing and reading this step."""
+        tier = self.tier
+        return (0.0, 0.0) if tier is None else (tier.write_s * 1e3, tier.read_s * 1e3)
+
     @property
     def peak_host_bytes(self) -> int:
         """Host bytes held at the step's peak for activations: the pool's arenas (pinned or

@@ -150,6 +150,7 @@ class ExecutorBase(OnlinePath):
 
     def report(self, step_ms: float, **extra: Any) -> StepReport:
         m = self.manager
+        write_ms, read_ms = m.disk_ms()
         return StepReport(
             phase=self.phase, op_count=self.index, peak_resident_bytes=self.peak_bytes,
             budget_bytes=self.budget_bytes, bytes_d2h=m.bytes_d2h, bytes_h2d=m.bytes_h2d,
@@ -157,7 +158,7 @@ class ExecutorBase(OnlinePath):
             overshoot_bytes=max(self.peak_bytes - self.budget_bytes, 0),
             overshoot_op=self.peak_op if self.peak_bytes > self.budget_bytes else None,
             offload_cap_hits=m.cap_hits, bytes_to_disk=m.bytes_to_disk, bytes_from_disk=m.bytes_from_disk,
-            peak_host_bytes=m.peak_host_bytes, **extra,
+            peak_host_bytes=m.peak_host_bytes, disk_write_ms=write_ms, disk_read_ms=read_ms, **extra,
         )
 
     def finish(self, clean: bool, step_ms: float) -> tuple[StepReport, Exception | None]:
