@@ -397,8 +397,8 @@ def disk_tier(doc: dict[str, Any]) -> list[Figure]:
         figure("disk tier reads over raw", io["read_over_raw"], "x",
                "I/O thread read bandwidth / raw 8 MiB O_DIRECT reads, same disk", page, goal=">= 0.8"),
         figure("disk tier peak host MiB", mem["peak_host_mib"], "MiB",
-               f"most host bytes held in {doc['rss_steps']} steps; budget {doc['host_budget_mib']:.0f} MiB "
-               f"+ the store's 8 MiB staging buffer", page),
+               f"most host bytes held for activations in {doc['rss_steps']} steps; host budget "
+               f"{doc['host_budget_mib']:.1f} MiB", page),
     ]
 
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from hyperpar.offload import OffloadConfig, OffloadSession
-from hyperpar.offload.runtime.disk_store import ALIGN, FILE_PREFIX, STAGING_BYTES
+from hyperpar.offload.runtime.disk_store import FILE_PREFIX
 
 MIB = 1 << 20
 
@@ -76,8 +76,9 @@ def test_gradients_stay_bitwise_and_the_host_budget_holds(tmp_path: Path, device
         report = session.last_report
         assert report is not None
         assert report.peak_resident_bytes <= report.budget_bytes * 1.02 + 64 * 1024, str(report)
-        # the host held no more than its budget (the pool's arenas) and the store's staging buffer
-        assert report.peak_host_bytes <= host_budget + STAGING_BYTES + ALIGN, str(report)
+        # the host held no more than its budget: the pool's arenas, page-aligned so that direct
+        # I/O moves its slabs in place (the store makes no staging buffer)
+        assert report.peak_host_bytes <= (session.config.host_budget_bytes or 0), str(report)
         spilled += report.bytes_to_disk
         read += report.bytes_from_disk
         if device_share < 1.0:

@@ -389,7 +389,7 @@ def test_aligned_bytes_move_in_place_and_unaligned_ones_through_staging(
     real = store._transfer
 
     def transfer(fd: int, buf: memoryview, length: int, offset: int, *, writing: bool) -> None:
-        buffers.append(0 if buf is store._staging else 1)
+        buffers.append(0 if len(buf) == STAGING_BYTES else 1)  # the staging buffer, or the caller's bytes
         real(fd, buf, length, offset, writing=writing)
 
     monkeypatch.setattr(store, "_transfer", transfer)
@@ -398,7 +398,9 @@ def test_aligned_bytes_move_in_place_and_unaligned_ones_through_staging(
     out = aligned_bytes(2 * ALIGN)
     store.read(extent, out)
     assert buffers == [1, 1] and torch.equal(out, aligned_src)
+    assert store.staging_bytes == 0, "aligned transfers alone made a staging buffer"
     buffers.clear()
     odd = random_bytes(ALIGN + 1, 4)
     assert torch.equal(read_back(store, store.write(odd)), odd) and buffers == [0, 0]
+    assert store.staging_bytes == STAGING_BYTES + ALIGN
     store.close()

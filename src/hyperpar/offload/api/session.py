@@ -76,6 +76,8 @@ from hyperpar.offload.runtime import (
     make_copy_engine,
     probe_link,
 )
+from hyperpar.offload.runtime.disk_store import ALIGN as DISK_ALIGN
+from hyperpar.offload.runtime.host_pool import ALIGN_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +138,9 @@ class OffloadSession(FastSteps, RecomputeSteps):
         self.device = device
         host_budget = config.host_budget_bytes
         cap = config.offload_cap_bytes if host_budget is None else min(config.offload_cap_bytes, host_budget)
-        self._pool = HostPool(cap, pin_memory=device.type != "cpu")
+        # with a disk tier, page-aligned slabs: direct I/O moves them without a staging copy
+        self._pool = HostPool(cap, pin_memory=device.type != "cpu",
+                              align=ALIGN_BYTES if host_budget is None else DISK_ALIGN)
         engine: CopyEngine = (make_copy_engine(device, config.copy_engine)
                               if isinstance(config.copy_engine, str) else config.copy_engine)
         old = getattr(self, "_manager", None)

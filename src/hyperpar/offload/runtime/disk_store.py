@@ -14,9 +14,10 @@ and come back. This is the store only; nothing in the plan uses it yet.
   the file is reserved with ``posix_fallocate`` before any byte is written, so a full disk
   fails at once with ``DiskFullError`` and the store stays usable.
 - ``O_DIRECT`` keeps these bytes out of the page cache (they are the bytes the host had no
-  room for). It needs aligned addresses, offsets and lengths, so every transfer goes through
-  one aligned staging buffer of ``STAGING_BYTES``, reused chunk by chunk: tensors of any
-  length are padded to ``ALIGN`` in the staging buffer, never in the caller's memory.
+  room for). It needs aligned addresses, offsets and lengths: page-aligned bytes move in
+  place, others through one aligned staging buffer of ``STAGING_BYTES`` (made at the first
+  such transfer), reused chunk by chunk: tensors of any length are padded to ``ALIGN`` in the
+  staging buffer, never in the caller's memory.
   ``direct=None`` tries it with one aligned write at open; a file system that refuses it
   (``EINVAL``: older tmpfs, some overlay and network file systems) gets buffered I/O and
   one warning per process saying which directory and why.
@@ -162,8 +163,7 @@ class DiskStore:
         self._file = _File(fd, path)
         self._finalizer = weakref.finalize(self, self._file.close)
         self.path = path
-        self._staging_tensor = aligned_bytes(STAGING_BYTES)  # keeps the memory the view points into
-        self._staging = memoryview(self._staging_tensor.numpy())
+        self._staging_tensor: torch.Tensor | None = None  # made at the first transfer that needs it
         try:
             self.direct = self._choose_direct(direct)
         except BaseException:
@@ -183,7 +183,7 @@ class DiskStore:
             why = "this platform has no O_DIRECT"
         else:
             try:
-                fd = _open_direct(self.path, self._staging[:ALIGN])
+                fd = _open_direct(self.path, memoryview(aligned_bytes(ALIGN).numpy()))
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
                     raise
@@ -196,6 +196,17 @@ class DiskStore:
             raise OSError(errno.EINVAL, f"DiskStore(direct=True): no O_DIRECT in {self.directory!r} ({why})")
         _warn_fallback_once(self.directory, why)
         return False
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host bytes of the staging buffer: 0 until a transfer needs it (bytes not page-aligned
+        under direct I/O), then ``STAGING_BYTES`` and a page of alignment."""
+        return 0 if self._staging_tensor is None else STAGING_BYTES + ALIGN
+
+    def _staging(self) -> memoryview:
+        if self._staging_tensor is None:
+            self._staging_tensor = aligned_bytes(STAGING_BYTES)
+        return memoryview(self._staging_tensor.numpy())
 
     @property
     def file_bytes(self) -> int:
@@ -221,10 +232,11 @@ class DiskStore:
                 if self._in_place(src, nbytes):
                     self._transfer(fd, data, nbytes, offset, writing=True)
                 else:
+                    staging = self._staging()
                     for pos in range(0, nbytes, STAGING_BYTES):
                         n = min(STAGING_BYTES, nbytes - pos)
-                        self._staging[:n] = data[pos:pos + n]
-                        self._transfer(fd, self._staging, aligned(n), offset + pos, writing=True)
+                        staging[:n] = data[pos:pos + n]
+                        self._transfer(fd, staging, aligned(n), offset + pos, writing=True)
             except BaseException:
                 self._release(offset, aligned(nbytes))
                 raise
@@ -246,10 +258,11 @@ class DiskStore:
             if self._in_place(dst, extent.nbytes):
                 self._transfer(fd, out, extent.nbytes, extent.offset, writing=False)
             else:
+                staging = self._staging()
                 for pos in range(0, extent.nbytes, STAGING_BYTES):
                     n = min(STAGING_BYTES, extent.nbytes - pos)
-                    self._transfer(fd, self._staging, aligned(n), extent.offset + pos, writing=False)
-                    out[pos:pos + n] = self._staging[:n]
+                    self._transfer(fd, staging, aligned(n), extent.offset + pos, writing=False)
+                    out[pos:pos + n] = staging[:n]
             self.bytes_read += extent.nbytes
 
     def free(self, extent: Extent) -> None:

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from hyperpar.offload.runtime.disk_store import ALIGN, STAGING_BYTES, DiskStore, Extent, _check_directory
+from hyperpar.offload.runtime.disk_store import DiskStore, Extent, _check_directory
 from hyperpar.offload.runtime.host_pool import HostPool, aligned
 
 logger = logging.getLogger(__name__)
@@ -224,8 +224,9 @@ class DiskTier:
 
     @property
     def held_bytes(self) -> int:
-        """Host bytes of the tier itself: the store's aligned staging buffer while it is open."""
-        return 0 if self.store is None else STAGING_BYTES + ALIGN
+        """Host bytes of the tier itself: the store's staging buffer, where it made one (the
+        session's page-aligned slabs move without it)."""
+        return 0 if self.store is None else self.store.staging_bytes
 
     # --- spilling -------------------------------------------------------------------
     def make_room(self, size: int) -> None:
@@ -269,7 +270,7 @@ class DiskTier:
         if self._io is None:
             self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hyperpar-disk")
         assert rec.slab is not None
-        rec.future = self._io.submit(_timed_call, self.store.write, rec.slab[:rec.nbytes])
+        rec.future = self._io.submit(_timed_call, self.store.write, self._span(rec.slab, rec.nbytes))
         self._spilled[entry] = rec
         if wait:
             self._collect(rec.future)
@@ -351,8 +352,13 @@ class DiskTier:
             self._finish(after)  # the slab's last copy still reads it
         assert rec.extent is not None and self.store is not None and self._io is not None
         rec.slab = slab
-        rec.future = self._io.submit(_timed_call, self.store.read, rec.extent, slab[:rec.nbytes])
+        rec.future = self._io.submit(_timed_call, self.store.read, rec.extent, self._span(slab, rec.nbytes))
         self.bytes_from_disk += rec.nbytes
+
+    def _span(self, slab: torch.Tensor, nbytes: int) -> torch.Tensor:
+        """The bytes of a slab that go to disk and back: ``nbytes`` rounded up to the pool's
+        alignment, so page-aligned slabs move in place under direct I/O (the tail is padding)."""
+        return slab[:min(slab.numel(), self.pool.aligned(nbytes))]
 
     def _timed(self, rec: _Spilled, done: tuple[Extent | None, float]) -> None:
         """A finished transfer's result: a write's extent, and the I/O thread's time on it."""

@@ -21,6 +21,7 @@ allocator differs, and tests inject a plain one to exercise the pinned path on C
 
 from __future__ import annotations
 
+import functools
 import logging
 from bisect import bisect_left, insort
 from collections import deque
@@ -65,6 +66,14 @@ def _plain_arena(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8)
 
 
+def _aligned_arena(align: int, nbytes: int) -> torch.Tensor:
+    """Plain bytes starting at an ``align`` boundary: with every slab a multiple of ``align``,
+    every slab starts on one too (the disk tier's direct I/O then moves slabs in place)."""
+    buffer = torch.empty(nbytes + align, dtype=torch.uint8)
+    start = -_data_ptr(buffer) % align
+    return buffer[start:start + nbytes]
+
+
 def _pinned_arena(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
@@ -88,15 +97,20 @@ class HostPool:
 
     def __init__(self, cap_bytes: int, pin_memory: bool = False, *,
                  arena_allocator: Callable[[int], torch.Tensor] | None = None,
-                 window_steps: int = WINDOW_STEPS) -> None:
+                 window_steps: int = WINDOW_STEPS, align: int = ALIGN_BYTES) -> None:
         if isinstance(cap_bytes, bool) or not isinstance(cap_bytes, int) or cap_bytes < 0:
             raise ValueError(f"cap_bytes must be a non-negative int, got {cap_bytes!r}")
         if isinstance(window_steps, bool) or not isinstance(window_steps, int) or window_steps < 1:
             raise ValueError(f"window_steps must be a positive int, got {window_steps!r}")
+        if (isinstance(align, bool) or not isinstance(align, int) or align < ALIGN_BYTES
+                or align & (align - 1)):
+            raise ValueError(f"align must be a power of two >= {ALIGN_BYTES}, got {align!r}")
         self.cap_bytes = cap_bytes
         self.pin_memory = pin_memory
+        self.align = align
+        plain = _plain_arena if align <= ALIGN_BYTES else functools.partial(_aligned_arena, align)
         self._allocate_arena = made_outside_inference_mode(
-            arena_allocator or (_pinned_arena if pin_memory else _plain_arena))
+            arena_allocator or (_pinned_arena if pin_memory else plain))
         self.in_use_bytes = 0
         self.cap_hits = 0
         self.allocations = 0  # new host allocations (arenas), ever
@@ -115,6 +129,10 @@ class HostPool:
         self._recent_peaks: deque[int] = deque(maxlen=window_steps)
         self._grew = False  # an arena was added since the last step began
         self._warned_cap = False
+
+    def aligned(self, nbytes: int) -> int:
+        """The size of the slab ``nbytes`` get: a multiple of ``align``."""
+        return -(-nbytes // self.align) * self.align
 
     @property
     def held_bytes(self) -> int:
@@ -138,7 +156,7 @@ class HostPool:
     def acquire_with_event(self, nbytes: int) -> tuple[torch.Tensor, Any] | None:
         """A slab of ``aligned(nbytes)`` and the event of the last copy that used its memory
         (None when idle), or None at the cap."""
-        size = aligned(max(nbytes, 1))
+        size = self.aligned(max(nbytes, 1))
         found = self._best_fit(size)
         if found is None and self._pending:
             self._settle()
@@ -298,7 +316,7 @@ class HostPool:
         the same total (contiguous room where the step found only scattered pieces)."""
         if not self._grew and self._held <= TRIM_FACTOR * need:  # the common case: nothing to do
             return
-        keep = sum(self._layout(aligned(int(KEEP_FACTOR * need))))
+        keep = sum(self._layout(self.aligned(int(KEEP_FACTOR * need))))
         if self._held > max(TRIM_FACTOR * need, keep):
             target = keep
         elif self._grew:
