@@ -167,3 +167,51 @@ def test_a_missing_or_non_directory_disk_dir_fails_when_the_session_is_built(tmp
     a_file.write_text("x")
     with pytest.raises(NotADirectoryError, match="not a directory"):
         OffloadSession(OffloadConfig(max_host_activation_mb=8, disk_dir=a_file))
+
+
+@pytest.mark.usefixtures("steady_link")  # asserts which path a plan takes (tests/offload/conftest.py)
+def test_a_fast_step_whose_copy_finds_no_host_room_hands_over_to_the_dispatch_mode(tmp_path: Path) -> None:
+    """A host budget below one storage the plan moves: no copy out finds room, so the storage
+    stays on the device past the plan's bytes; a fast step must not report the plan's peak
+    then, it goes on under the dispatch mode, which measures (and keeps what it can)."""
+    peak = _peak()
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=0.6 * peak / MIB,
+                                           max_host_activation_mb=0.01, disk_dir=tmp_path))
+    plain, off = _model(), _model()
+    paths = []
+    for step in range(6):
+        assert torch.equal(_step(plain, step), _step(off, step, session)), f"step {step}: loss"
+        for p, q in zip(plain.parameters(), off.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), f"step {step}: a gradient differs"
+            p.grad = q.grad = None
+        report = session.last_report
+        assert report is not None
+        paths.append(report.replay_path)
+        if report.replay_path != "fast":
+            assert report.peak_resident_bytes > report.budget_bytes, "no copy left: the step must be over"
+    assert "fast" not in paths, paths
+    session.close()
+
+
+@pytest.mark.usefixtures("steady_link")
+def test_the_fast_path_runs_through_the_disk_tier(tmp_path: Path) -> None:
+    """A plan whose host copies exceed the host budget still runs on the fast path: its copies
+    go through the tier (written out, read back) and gradients stay bitwise."""
+    peak = _peak()
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=0.6 * peak / MIB,
+                                           max_host_activation_mb=0.2 * peak / MIB, disk_dir=tmp_path))
+    plain, off = _model(), _model()
+    fast_disk = 0
+    for step in range(6):
+        assert torch.equal(_step(plain, step), _step(off, step, session)), f"step {step}: loss"
+        for p, q in zip(plain.parameters(), off.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), f"step {step}: a gradient differs"
+            p.grad = q.grad = None
+        report = session.last_report
+        assert report is not None
+        assert report.peak_host_bytes <= (session.config.host_budget_bytes or 0), str(report)
+        if report.replay_path == "fast" and report.bytes_to_disk > 0 and report.bytes_from_disk > 0:
+            fast_disk += 1
+    assert fast_disk >= 3, "the fast path never moved bytes through the disk tier"
+    session.close()
+    assert _files(tmp_path) == []

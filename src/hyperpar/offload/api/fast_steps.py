@@ -104,7 +104,7 @@ class FastSteps:
         assert plan.move_schedule is not None
         self._manager.engine.begin_step()
         return MovingStep(plan.move_schedule, self._manager.engine, self._manager.pool, self.device,
-                          self._budget_bytes)
+                          self._budget_bytes, self._manager.tier)
 
     def _other_size(self, first: Any) -> tuple[Any, MovingStep | None] | None:
         """A fast step whose first saved tensor is not its plan's (another sequence length):
@@ -140,7 +140,10 @@ class FastSteps:
                             peak_resident_bytes=plan.program.planned_peak, budget_bytes=self._budget_bytes,
                             step_ms=(time.perf_counter() - fast.t0) * 1e3,
                             predicted_step_ms=plan.predicted_ms, replay_path="fast",
-                            peak_host_bytes=self._manager.peak_host_bytes)
+                            peak_host_bytes=self._manager.peak_host_bytes,
+                            bytes_to_disk=self._manager.bytes_to_disk,
+                            bytes_from_disk=self._manager.bytes_from_disk)
+        report.disk_write_ms, report.disk_read_ms = self._manager.disk_ms()
         held: frozenset[int] = frozenset()
         if moving is not None:
             report.bytes_d2h, report.bytes_h2d = moving.bytes_d2h, moving.bytes_h2d

@@ -236,7 +236,7 @@ class OffloadSession(FastSteps, RecomputeSteps):
         budget = self._budget_bytes
         plan = self._choose()
         self._came_from, self._running = self._prev, plan
-        if plan is not None and self._fast_ok(plan) and self._host_fits(plan):
+        if plan is not None and self._fast_ok(plan):
             self._recompute_enter(None)
             try:
                 self._start_fast(plan)
@@ -277,13 +277,6 @@ class OffloadSession(FastSteps, RecomputeSteps):
         if isinstance(executor, WarmupExecutor):
             gc_pause.hold()  # the trace is many small acyclic objects: collect after the step
         return self
-
-    def _host_fits(self, plan: Plan) -> bool:
-        """The fast path copies into host slabs of its own, not through the disk tier: with a
-        host budget, only a plan whose host copies fit it may take it."""
-        host_budget = self.config.host_budget_bytes
-        return (host_budget is None or plan.move_schedule is None
-                or plan.move_schedule.host_bytes <= host_budget)
 
     def close(self) -> None:
         """Give back what the session holds between steps: host slabs, the disk tier's file

@@ -86,7 +86,8 @@ class DiskTier:
         self.store: DiskStore | None = None
         self._io: ThreadPoolExecutor | None = None
         self._host: OrderedDict[Any, None] = OrderedDict()  # evicted, their copy on host, oldest first
-        self._returned: OrderedDict[Any, None] = OrderedDict()  # back on the device, their slab kept
+        # back on the device with their slab kept, and what drops that copy (``forget``s it here)
+        self._returned: OrderedDict[Any, Callable[[Any], None]] = OrderedDict()
         self._reading: OrderedDict[Any, None] = OrderedDict()  # read back ahead of need, in start order
         self._spilled: dict[Any, _Spilled] = {}  # entry -> its copy written, on disk, or read back
         self._on_disk: OrderedDict[Any, None] = OrderedDict()  # entries wholly on disk, oldest spill first
@@ -105,7 +106,7 @@ class DiskTier:
         got = self.pool.acquire_with_event(nbytes)
         while got is None:  # the pool's cap: room in fragments, freed until one holds the slab
             if self._returned:
-                self._drop_copy(next(iter(self._returned)))
+                self._drop_oldest_copy()
             elif not self._spill_oldest(wait=True) and not self._unprefetch_latest():
                 break  # nothing left to free
             got = self.pool.acquire_with_event(nbytes)
@@ -157,10 +158,11 @@ class DiskTier:
         rec.slab = None
         self._free_extent(rec)
 
-    def returned(self, entry: Any) -> None:
-        """``entry`` is on the device again and keeps its host slab; host room it freed may
-        take spilled copies back."""
-        self._returned[entry] = None
+    def returned(self, entry: Any, drop: Callable[[Any], None] | None = None) -> None:
+        """``entry`` is on the device again and keeps its host slab, which ``drop(entry)``
+        (default: the manager's) gives back when room is short; host room it freed may take
+        spilled copies back."""
+        self._returned[entry] = drop or self._drop_copy
         self.prefetch()
 
     def prefetch(self) -> None:
@@ -234,7 +236,7 @@ class DiskTier:
         self._collect()
         target = self.budget_bytes - size
         while self.pool.in_use_bytes > target and self._returned:
-            self._drop_copy(next(iter(self._returned)))  # forgets it here (``forget``)
+            self._drop_oldest_copy()
         if self.pool.in_use_bytes <= target:
             return
         self._spill_until(target)
@@ -279,11 +281,17 @@ class DiskTier:
     def _drop_settled_copy(self) -> bool:
         """Drop the oldest host copy of a storage back on the device whose copy in is done (one
         still in flight would make the compute side wait); False when there is none."""
-        for entry in self._returned:
+        for entry, drop in self._returned.items():
             if entry.h2d_event is None or self._is_done(entry.h2d_event):
-                self._drop_copy(entry)
+                drop(entry)
+                self._returned.pop(entry, None)
                 return True
         return False
+
+    def _drop_oldest_copy(self) -> None:
+        entry, drop = next(iter(self._returned.items()))
+        drop(entry)
+        self._returned.pop(entry, None)  # a drop that kept the copy must not come round again
 
     def _unprefetch_latest(self) -> bool:
         """Give back the slab of the read started last (its copy stays on disk, first to be read

@@ -36,6 +36,7 @@ import torch
 from hyperpar.offload.capture.checked.replay_program import D2H, H2D
 from hyperpar.offload.capture.fast.fast_schedule import MoveSchedule
 from hyperpar.offload.capture.fast.saved_versions import checked_version, version_keeper
+from hyperpar.offload.runtime.disk_tier import DiskTier
 from hyperpar.offload.runtime.host_pool import aligned
 from hyperpar.offload.runtime.residency_manager import byte_view
 
@@ -50,9 +51,10 @@ class _Slot:
     None), its host copy, the copies' events, the source the copy out reads (weakly: the
     engine holds it while the copy may read), and the last tensor rebuilt from it."""
 
-    __slots__ = ("d2h", "device", "h2d", "host", "nbytes", "original", "src", "view", "view_key")
+    __slots__ = ("d2h", "device", "h2d", "host", "nbytes", "original", "sid", "src", "view", "view_key")
 
-    def __init__(self, storage: torch.UntypedStorage) -> None:
+    def __init__(self, storage: torch.UntypedStorage, sid: int = -1) -> None:
+        self.sid = sid  # the plan's storage id (said in errors)
         self.device: torch.UntypedStorage | None = storage
         self.original = weakref.ref(storage)
         self.nbytes = storage.nbytes()
@@ -62,6 +64,19 @@ class _Slot:
         self.src: weakref.ref | None = None
         self.view: Tensor | None = None
         self.view_key: tuple[Any, ...] | None = None
+
+    # what the disk tier reads and sets of a host copy (``runtime.disk_tier``)
+    @property
+    def host_event(self) -> Any:
+        return self.d2h
+
+    @host_event.setter
+    def host_event(self, event: Any) -> None:
+        self.d2h = event
+
+    @property
+    def h2d_event(self) -> Any:
+        return self.h2d
 
     def held_elsewhere(self) -> bool:
         """Whether a tensor (Python's, autograd's) still holds the user's storage: anything but
@@ -94,8 +109,11 @@ class MovingStep:
     storage two saved tensors view the same way is rebuilt once per page-in."""
 
     def __init__(self, schedule: MoveSchedule, engine: Any, pool: Any, device: torch.device,
-                 budget_bytes: int) -> None:
+                 budget_bytes: int, tier: DiskTier | None = None) -> None:
         self.schedule = schedule
+        # a host budget: each copy takes a slab of its own through the disk tier, which may
+        # write it to disk once released and read it back (not the step's one slab)
+        self.tier = tier
         self.budget_bytes = budget_bytes
         self._actions = schedule.actions
         self._moved = schedule.moved_slots
@@ -139,7 +157,7 @@ class MovingStep:
         if slot in self._moved:
             s = self.slots.get(slot)
             if s is None:
-                s = _Slot(t.untyped_storage())
+                s = _Slot(t.untyped_storage(), self.schedule.slot_sid[slot])
                 if s.nbytes > self._slot_bytes[slot] and self.on_plan:
                     # larger than the plan's (a step its saved tensors cover in shape, with
                     # a larger base): the plan's bytes no longer bound the step's
@@ -306,11 +324,13 @@ class MovingStep:
                 self._copy_out(s, slot)
                 out = True
             elif code == H2D:
-                if s.device is None and s.host is not None:
+                if s.device is None and self._has_copy(s):
                     self._page_in(s, slot)
-            elif s.host is not None and s.device is not None:  # a release: only with a host copy
+            elif s.device is not None and self._has_copy(s):  # a release: only with a host copy
                 s.view = None
                 out = True
+                if self.tier is not None:
+                    self.tier.evicted(s)
                 if s.device is s.original() and s.held_elsewhere():
                     # Python still holds it: its bytes stay (unpack reads them) until it lets go
                     self._held.append((slot, s))
@@ -326,6 +346,8 @@ class MovingStep:
 
     def _host(self, nbytes: int) -> tuple[Tensor, Any] | None:
         """Host bytes for a copy out, and the copy they must wait for."""
+        if self.tier is not None:
+            return self.tier.acquire(nbytes)
         if self._slab is None and not self._own:
             got = self.pool.acquire_with_event(max(self.schedule.host_bytes, 1))
             if got is not None:
@@ -348,31 +370,53 @@ class MovingStep:
         """The storage's bytes to host (``again``: its final bytes, over its host copy, after
         the first copy out into them)."""
         storage = s.device
+        if again and self.tier is not None:
+            self.tier.bring_to_host(s)  # the copy's bytes are overwritten in its slab, not on disk
         if storage is None or (s.host is not None) != again:
             return
         if again:
             after = s.d2h if s.d2h is not None and not self.engine.is_done(s.d2h) else None
         else:
             got = self._host(s.nbytes)
-            if got is None:  # the host pool's cap: the storage stays on the device
+            if got is None:  # the host's cap or budget: the storage stays on the device, past the
+                if self.on_held is not None:  # plan's bytes: the dispatch mode keeps the budget
+                    self._settle()
+                    self.on_held(f"no host room for storage {s.sid}'s copy ({s.nbytes} bytes)")
                 return
             s.host, after = got
         src = byte_view(storage)
         s.src = weakref.ref(src)
-        s.d2h = self.engine.copy_d2h(s.host, src, after, slot)
+        s.d2h = self.engine.copy_d2h(s.host[:s.nbytes], src, after, slot)
         if self._shared is not None and s.d2h is not None:
             self._shared(s.d2h)  # the user may write the storage meanwhile (a torn copy is never used)
         self.bytes_d2h += s.nbytes
 
     def _page_in(self, s: _Slot, slot: int = -1) -> torch.UntypedStorage:
+        tier = self.tier
+        if tier is not None:
+            tier.bring_to_host(s)
         assert s.host is not None
         dst = torch.empty(s.nbytes, dtype=torch.uint8, device=self.device)
         after = s.d2h if s.d2h is not None and not self.engine.is_done(s.d2h) else None
-        s.h2d = self.engine.copy_h2d(dst, s.host, after, -1)
+        s.h2d = self.engine.copy_h2d(dst, s.host[:s.nbytes], after, -1)
         s.device = storage = dst.untyped_storage()
         self._paged[id(storage)] = (slot, weakref.ref(storage))
         self.bytes_h2d += s.nbytes
+        if tier is not None:
+            tier.returned(s, self._drop_host_copy)
         return storage
+
+    def _has_copy(self, s: _Slot) -> bool:
+        """Whether the slot's bytes are on host, or on disk through the tier."""
+        return s.host is not None or (self.tier is not None and self.tier.holds(s))
+
+    def _drop_host_copy(self, s: _Slot) -> None:
+        """The tier needs the room of a slot back on the device: its host copy goes."""
+        assert self.tier is not None
+        self.tier.forget(s)
+        if s.host is not None:
+            self.pool.release(s.host, s.h2d)
+            s.host = None
 
     def paged_slot(self, storage: torch.UntypedStorage) -> int | None:
         """The slot whose paged-in copy ``storage`` is, or None."""
@@ -395,12 +439,19 @@ class MovingStep:
         self.slots.clear()
         self._held.clear()
         self._paged.clear()
+        tier, slabs = self.tier, []
         while slots:
             s = slots.pop()
-            if s.host is not None and s.device is None and sys.getrefcount(s) > _UNHELD:
+            if s.device is None and self._has_copy(s) and sys.getrefcount(s) > _UNHELD:
                 self._page_in(s)  # a handle still holds it
+            if tier is not None:
+                tier.forget(s)
+                if s.host is not None:
+                    slabs.append(s.host)
             s.host = None
         self.engine.synchronize()
+        for slab in slabs:
+            self.pool.release(slab, None)
         if self._slab is not None:
             self.pool.release(self._slab, None)
             self._slab = None
