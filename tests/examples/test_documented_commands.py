@@ -171,6 +171,12 @@ def _plan_json(out: str) -> None:
             "recompute_bytes"} <= doc.keys()
 
 
+def _plan_tiers(out: str) -> None:
+    assert "to disk MiB   from disk MiB" in out, out
+    assert {"device", "host", "disk"} <= {line.split()[0] for line in out.splitlines() if line.split()}, out
+    assert "I/O on disk" in out and "ms of" in out, out
+
+
 def _help(out: str) -> None:
     assert "usage: hyperpar" in out
 
@@ -189,6 +195,9 @@ KNOWN: dict[str, Run | Skip] = {
         rewrite={"hyperpar-demo/trace.json": "{tmp}/hyperpar-demo/trace.json"}),
     ".venv/bin/hyperpar plan hyperpar-demo/trace.json --device h100 --budget-fraction 0.3 --json": Run(
         (), _plan_json, before=(".venv/bin/hyperpar", "demo", *TINY_DEMO),
+        rewrite={"hyperpar-demo/trace.json": "{tmp}/hyperpar-demo/trace.json"}),
+    ".venv/bin/hyperpar plan hyperpar-demo/trace.json --host-budget-mb 8": Run(
+        ("--out", "{tmp}/plan"), _plan_tiers, before=(".venv/bin/hyperpar", "demo", *TINY_DEMO),
         rewrite={"hyperpar-demo/trace.json": "{tmp}/hyperpar-demo/trace.json"}),
     ".venv/bin/python examples/offload_quickstart.py": Run((), _quickstart),
     ".venv/bin/python examples/offload_recompute.py": Run(("--rows", "512", "--steps", "5"), _recompute),

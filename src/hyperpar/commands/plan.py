@@ -1,5 +1,6 @@
 """``hyperpar plan TRACE.json``: plan a saved trace, print the figures and draw the plots
-(with ``--device``, also the projected GPU step: ``plan_projection``)."""
+(with ``--device``, also the projected GPU step: ``plan_projection``; with ``--host-budget-mb``,
+the three tiers a disk tier would give the plan: ``planning.host_tier``)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,14 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hyperpar.commands import plan_projection
-from hyperpar.commands.flags import non_negative
+from hyperpar.commands.flags import non_negative, positive
+from hyperpar.offload.planning.host_tier import DEFAULT_READ_GBPS, DEFAULT_WRITE_GBPS
+
+if TYPE_CHECKING:
+    from hyperpar.offload.planning.host_tier import HostTierEstimate
 
 MIB = 1 << 20
 
@@ -23,11 +29,55 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also plan budgets from 10%% to 100%% of the peak with both planners")
     parser.add_argument("--out", default="hyperpar_plan",
                         help="folder for the PNG plots (default: %(default)s)")
+    parser.add_argument("--host-budget-mb", default=None, metavar="MB",
+                        help="host budget for the copies off the device in MiB, as "
+                             "OffloadConfig(max_host_activation_mb=...): also show the three tiers "
+                             "(device, host, disk) a disk tier would give the plan and whether its I/O "
+                             "hides under the step's compute")
+    parser.add_argument("--disk-write-gbps", default=None, metavar="GBPS",
+                        help=f"with --host-budget-mb: disk write bandwidth in GB/s (default "
+                             f"{DEFAULT_WRITE_GBPS:g}, benchmarks/results/disk_store.json, raw O_DIRECT)")
+    parser.add_argument("--disk-read-gbps", default=None, metavar="GBPS",
+                        help=f"with --host-budget-mb: disk read bandwidth in GB/s (default "
+                             f"{DEFAULT_READ_GBPS:g}, same file)")
     plan_projection.add_arguments(parser)
 
 
 def _budget_bytes(text: str | None, default: int) -> int:
     return default if text is None else int(non_negative("plan", "--budget-mb", text, "MiB") * MIB)
+
+
+def _tier_flags(args: argparse.Namespace) -> tuple[int, float, float] | None:
+    """The host budget in bytes and the disk bandwidths, checked; None without --host-budget-mb."""
+    write = None if args.disk_write_gbps is None else positive("plan", "--disk-write-gbps",
+                                                               args.disk_write_gbps, "GB/s")
+    read = None if args.disk_read_gbps is None else positive("plan", "--disk-read-gbps",
+                                                             args.disk_read_gbps, "GB/s")
+    if args.host_budget_mb is None:
+        if write is not None or read is not None:
+            raise SystemExit("hyperpar plan: --disk-write-gbps and --disk-read-gbps need --host-budget-mb")
+        return None
+    budget = int(positive("plan", "--host-budget-mb", args.host_budget_mb, "MiB") * MIB)
+    return budget, write or DEFAULT_WRITE_GBPS, read or DEFAULT_READ_GBPS
+
+
+def print_tiers(est: HostTierEstimate, device_peak: int, device_budget: int) -> None:
+    """The plan's three tiers: what each holds at its peak against its budget, and the disk's I/O."""
+    widths = [7, 9, 11, 12, 14]
+    print(_row(["tier", "peak MiB", "budget MiB", "to disk MiB", "from disk MiB"], widths))
+    print(_row(["device", f"{device_peak / MIB:.1f}", f"{device_budget / MIB:.1f}", "-", "-"], widths))
+    print(_row(["host", f"{est.peak_host_bytes_budgeted / MIB:.1f}", f"{est.host_budget_bytes / MIB:.1f}",
+                "-", "-"], widths))
+    print(_row(["disk", f"{est.peak_disk_bytes / MIB:.1f}", "-", f"{est.bytes_to_disk / MIB:.1f}",
+                f"{est.bytes_from_disk / MIB:.1f}"], widths))
+    verdict = "hides under compute (at best)" if est.fits else "longer than compute: the step waits for disk"
+    print(f"  I/O on disk {est.write_ms:.2f} ms writing at {est.write_gbps:g} GB/s + {est.read_ms:.2f} ms "
+          f"reading at {est.read_gbps:g} GB/s = {est.io_ms:.2f} ms against {est.compute_ms:.2f} ms of "
+          f"compute: {verdict}; {est.demand_reads} read(s) on demand; without a host budget the host "
+          f"would hold {est.peak_host_bytes / MIB:.1f} MiB")
+    if est.kept_on_device_bytes:
+        print(f"  {est.kept_on_device_bytes / MIB:.1f} MiB of copies found no host room: they stay on the "
+              f"device, over its budget")
 
 
 def _row(cells: list[str], widths: list[int]) -> str:
@@ -42,10 +92,12 @@ def run(args: argparse.Namespace) -> int:
     from hyperpar.offload.planning.deficit_warnings import deficit_warnings_muted
     from hyperpar.offload.planning.emit import emit_schedule
     from hyperpar.offload.planning.floor import budget_floor
+    from hyperpar.offload.planning.host_tier import host_tier
     from hyperpar.offload.planning.sweep import plan_point, sweep, with_budget
     from hyperpar.offload.planning.tails import tails_taken
 
     plan_projection.check(args)
+    tiers = _tier_flags(args)
     path = Path(args.trace)
     if not path.is_file():
         print(f"hyperpar plan: trace file {str(path)!r} does not exist", file=sys.stderr)
@@ -56,7 +108,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"hyperpar plan: {str(path)!r} is not a hyperpar trace: {exc}", file=sys.stderr)
         return 2
     if args.json:  # one JSON object on stdout, nothing else
-        print(json.dumps(plan_projection.levers(args, trace).as_dict(), indent=1))
+        doc = plan_projection.levers(args, trace).as_dict()
+        if tiers is not None:  # the offload-only plan at the JSON's budget
+            at = with_budget(trace, doc["budget_bytes"])
+            with deficit_warnings_muted():
+                _, schedule, _ = plan_point(at, args.planner)
+            tier = host_tier(at, schedule, *tiers).as_dict()
+            # compute_ms is the trace's own (measured where it was traced); on --device the I/O
+            # must hide under the projected step instead
+            tier["projected_step_ms"] = doc["offload_only_ms"]
+            tier["fits_projected"] = tier["io_ms"] <= doc["offload_only_ms"]
+            doc["host_tier"] = tier
+        print(json.dumps(doc, indent=1))
         return 0
     trace = with_budget(trace, _budget_bytes(args.budget_mb, trace.memory_limit_bytes))
     baseline = simulate(trace, emit_schedule(trace, [], "none"))
@@ -84,6 +147,9 @@ def run(args: argparse.Namespace) -> int:
                 f"{point.exposed_wait_ms:.2f}", f"{moved:.1f}", f"{point.plan_seconds:.2f}"], widths))
     if schedule.deficit_bytes:
         print(f"over budget by {schedule.deficit_bytes / MIB:.2f} MiB at op {schedule.deficit_op}")
+    if tiers is not None:
+        print()
+        print_tiers(host_tier(trace, schedule, *tiers), point.predicted_peak_bytes, trace.memory_limit_bytes)
 
     out = Path(args.out)
     try:

@@ -1,0 +1,113 @@
+"""The disk tier's estimate on hand-made plans: which copies go to disk, what comes back, I/O time."""
+
+from __future__ import annotations
+
+import pytest
+
+from hyperpar.offload.ir import ActivationTrace, ResidencyAction, ResidencySchedule
+from hyperpar.offload.ir import ResidencyActionType as Act
+from hyperpar.offload.planning import host_tier as model
+from hyperpar.offload.planning import verify
+from hyperpar.offload.planning.host_tier import host_tier
+from hyperpar.offload.runtime import disk_tier
+from tests.offload.planning.trace_builders import make_trace
+
+M = 1_000_000  # one storage; GB/s are 1e9 bytes a second, so M bytes at 1 GB/s take 1 ms
+CODES = {"d2h": Act.COPY_D2H, "h2d": Act.COPY_H2D, "free": Act.RELEASE_DEVICE, "freehost": Act.RELEASE_HOST}
+
+
+def _four(ms: float = 1.0) -> ActivationTrace:
+    """Forward writes storages 0..3 (op i writes i), backward reads them in reverse (op 4 + k reads 3 - k)."""
+    ops = [(f"w{i}", ms) for i in range(4)] + [(f"r{3 - k}", ms) for k in range(4)]
+    return make_trace(ops, {i: M for i in range(4)}, budget=M)
+
+
+def _schedule(actions: dict[tuple[int, str], str]) -> ResidencySchedule:
+    """``{(op, "pre" | "post"): "d2h 0, free 0"}`` as a schedule of the eight ops."""
+    schedule = ResidencySchedule.empty(8, "hand")
+    for (op, where, ), text in actions.items():
+        acts = [ResidencyAction(CODES[w.split()[0]], int(w.split()[1])) for w in text.split(",")]
+        (schedule.pre if where == "pre" else schedule.post)[op].extend(acts)
+    return schedule
+
+
+def _offload_all(prefetch: bool) -> ResidencySchedule:
+    """Every storage copied out and released after its op; copied in before its reader (``prefetch``:
+    one op earlier as well), released for good after it."""
+    acts = {(i, "post"): f"d2h {i}, free {i}" for i in range(4)}
+    for k in range(4):
+        acts[4 + k, "post"] = f"free {3 - k}, freehost {3 - k}"
+        acts[4 + k, "pre"] = f"h2d {3 - k}"
+    if prefetch:
+        acts[4, "pre"] = "h2d 3, h2d 2"
+        for k in range(1, 3):
+            acts[4 + k, "pre"] = f"h2d {2 - k}"
+        del acts[7, "pre"]
+    return _schedule(acts)
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_the_schedules_are_valid(prefetch: bool) -> None:
+    verify(_four(), _offload_all(prefetch))
+
+
+def test_budget_of_two_spills_the_three_oldest_and_reads_them_on_demand() -> None:
+    est = host_tier(_four(), _offload_all(prefetch=False), 2 * M)
+    assert est.peak_host_bytes == 4 * M  # no budget: all four copies on host after forward
+    # each eviction past half the budget (one copy) writes the oldest: 0 at 1's, 1 at 2's, 2 at 3's
+    assert est.spilled_sids == (0, 1, 2) and est.bytes_to_disk == 3 * M
+    # a copy back on the device is still in flight when the next read could start: no read ahead
+    assert est.bytes_from_disk == 3 * M and est.demand_reads == 3
+    assert est.peak_host_bytes_budgeted == 2 * M and est.kept_on_device_bytes == 0
+
+
+def test_reads_ahead_bring_the_newest_back_before_the_device_asks() -> None:
+    est = host_tier(_four(), _offload_all(prefetch=True), 4 * M)
+    assert est.spilled_sids == (0, 1)  # past half of 4: at the third and fourth evictions
+    # 3 back in: 1 read (3 of 4 in use, READ_AT); 2 back in: 3's copy dropped, 0 read
+    assert est.bytes_from_disk == 2 * M and est.demand_reads == 0
+    assert est.peak_host_bytes_budgeted == 3 * M
+
+
+def test_a_budget_twice_the_peak_never_writes() -> None:
+    est = host_tier(_four(), _offload_all(prefetch=True), 8 * M)
+    assert est.bytes_to_disk == est.bytes_from_disk == 0 and est.spilled_sids == ()
+    assert est.peak_host_bytes_budgeted == est.peak_host_bytes == 4 * M
+    assert est.io_ms == 0 and est.fits
+
+
+def test_a_budget_smaller_than_a_copy_keeps_it_on_the_device() -> None:
+    est = host_tier(_four(), _offload_all(prefetch=False), M // 2)
+    assert est.kept_on_device_bytes == 4 * M and est.bytes_to_disk == 0
+    assert est.peak_host_bytes_budgeted == 0
+
+
+def test_io_time_against_compute() -> None:
+    est = host_tier(_four(ms=1.0), _offload_all(prefetch=False), 2 * M, write_gbps=2.0, read_gbps=1.0)
+    assert (est.write_ms, est.read_ms) == pytest.approx((1.5, 3.0))
+    assert est.compute_ms == 8.0 and est.fits
+    tight = host_tier(_four(ms=0.5), _offload_all(prefetch=False), 2 * M, write_gbps=2.0, read_gbps=1.0)
+    assert tight.io_ms == pytest.approx(4.5) and tight.compute_ms == 4.0 and not tight.fits
+    doc = tight.as_dict()
+    assert doc["fits"] is False and doc["bytes_to_disk"] == 3 * M and "spilled_sids" not in doc
+
+
+def test_the_marks_are_the_runtimes() -> None:
+    assert (model.SPILL_AT, model.READ_AT) == (disk_tier.SPILL_AT, disk_tier.READ_AT)
+
+
+@pytest.mark.parametrize(("budget", "write", "read"), [(-1, 1.0, 1.0), (M, 0.0, 1.0), (M, 1.0, -2.0)])
+def test_bad_arguments(budget: int, write: float, read: float) -> None:
+    with pytest.raises(ValueError, match="bandwidths > 0"):
+        host_tier(_four(), _offload_all(prefetch=False), budget, write, read)
+
+
+def test_a_schedule_of_another_trace() -> None:
+    with pytest.raises(ValueError, match="schedule has 3 ops but the trace has 8"):
+        host_tier(_four(), ResidencySchedule.empty(3), M)
+
+
+def test_the_files_high_water_mark() -> None:
+    assert host_tier(_four(), _offload_all(prefetch=False), 2 * M).peak_disk_bytes == 3 * M
+    # with reads ahead: 0 and 1 on disk together, until 2 and 3 came back
+    assert host_tier(_four(), _offload_all(prefetch=True), 4 * M).peak_disk_bytes == 2 * M
