@@ -7,13 +7,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from hyperpar.offload import OffloadConfig, OffloadSession
+from hyperpar.offload import OffloadConfig, OffloadSession, StepReport
 from hyperpar.offload.runtime.disk_store import FILE_PREFIX
 
 MIB = 1 << 20
@@ -38,6 +39,18 @@ def _step(model: nn.Module, step: int, session: OffloadSession | None = None) ->
         loss = model(_x(step)).square().mean()
         loss.backward()
     return loss.detach()
+
+
+def _twin_steps(plain: nn.Module, off: nn.Module, session: OffloadSession,
+                steps: Iterable[int]) -> Iterator[StepReport]:
+    """Each step plain and under the session: losses and gradients bitwise, then its report."""
+    for step in steps:
+        assert torch.equal(_step(plain, step), _step(off, step, session)), f"step {step}: loss"
+        for p, q in zip(plain.parameters(), off.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), f"step {step}: a gradient differs"
+            p.grad = q.grad = None
+        assert session.last_report is not None
+        yield session.last_report
 
 
 def _peak() -> int:
@@ -68,13 +81,7 @@ def test_gradients_stay_bitwise_and_the_host_budget_holds(tmp_path: Path, device
                                            max_host_activation_mb=host_budget / MIB, disk_dir=tmp_path))
     plain, off = _model(), _model()
     spilled = read = 0
-    for step in range(5):
-        assert torch.equal(_step(plain, step), _step(off, step, session)), f"step {step}: loss"
-        for p, q in zip(plain.parameters(), off.parameters(), strict=True):
-            assert torch.equal(p.grad, q.grad), f"step {step}: a gradient differs"
-            p.grad = q.grad = None
-        report = session.last_report
-        assert report is not None
+    for report in _twin_steps(plain, off, session, range(5)):
         assert report.peak_resident_bytes <= report.budget_bytes * 1.02 + 64 * 1024, str(report)
         # the host held no more than its budget: the pool's arenas, page-aligned so that direct
         # I/O moves its slabs in place (the store makes no staging buffer)
@@ -179,13 +186,7 @@ def test_a_fast_step_whose_copy_finds_no_host_room_hands_over_to_the_dispatch_mo
                                            max_host_activation_mb=0.01, disk_dir=tmp_path))
     plain, off = _model(), _model()
     paths = []
-    for step in range(6):
-        assert torch.equal(_step(plain, step), _step(off, step, session)), f"step {step}: loss"
-        for p, q in zip(plain.parameters(), off.parameters(), strict=True):
-            assert torch.equal(p.grad, q.grad), f"step {step}: a gradient differs"
-            p.grad = q.grad = None
-        report = session.last_report
-        assert report is not None
+    for report in _twin_steps(plain, off, session, range(6)):
         paths.append(report.replay_path)
         if report.replay_path != "fast":
             assert report.peak_resident_bytes > report.budget_bytes, "no copy left: the step must be over"
@@ -202,13 +203,7 @@ def test_the_fast_path_runs_through_the_disk_tier(tmp_path: Path) -> None:
                                            max_host_activation_mb=0.2 * peak / MIB, disk_dir=tmp_path))
     plain, off = _model(), _model()
     fast_disk = 0
-    for step in range(6):
-        assert torch.equal(_step(plain, step), _step(off, step, session)), f"step {step}: loss"
-        for p, q in zip(plain.parameters(), off.parameters(), strict=True):
-            assert torch.equal(p.grad, q.grad), f"step {step}: a gradient differs"
-            p.grad = q.grad = None
-        report = session.last_report
-        assert report is not None
+    for report in _twin_steps(plain, off, session, range(6)):
         assert report.peak_host_bytes <= (session.config.host_budget_bytes or 0), str(report)
         if report.replay_path == "fast" and report.bytes_to_disk > 0 and report.bytes_from_disk > 0:
             fast_disk += 1

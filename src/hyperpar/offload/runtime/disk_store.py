@@ -21,8 +21,10 @@ and come back. This is the store only; nothing in the plan uses it yet.
   ``direct=None`` tries it with one aligned write at open; a file system that refuses it
   (``EINVAL``: older tmpfs, some overlay and network file systems) gets buffered I/O and
   one warning per process saying which directory and why.
-- One lock serializes allocation and I/O: the staging buffer is shared, and the callers
-  (a copy thread of the residency manager) do one transfer at a time anyway.
+- One lock guards the free list and the live extents, held only while they change; a
+  transfer holds none (``pwrite``/``pread`` of distinct extents are safe side by side), except
+  the staging buffer's own lock when it goes through that one buffer. So the compute thread
+  freeing an extent never waits for the I/O thread's transfer.
 """
 
 from __future__ import annotations
@@ -169,7 +171,8 @@ class DiskStore:
         except BaseException:
             self._finalizer()
             raise
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the free list, the live extents and the counters
+        self._staging_lock = threading.Lock()  # the one staging buffer; in-place transfers need no lock
         self._free: list[list[int]] = []  # [offset, length], sorted by offset, none adjacent
         self._live: dict[int, int] = {}  # offset -> nbytes of each extent written and not freed
         self._end = 0
@@ -228,18 +231,21 @@ class DiskStore:
             if nbytes == 0:
                 return Extent(0, 0)  # occupies nothing: read and free have nothing to do
             offset = self._allocate(aligned(nbytes))
-            try:
-                if self._in_place(src, nbytes):
-                    self._transfer(fd, data, nbytes, offset, writing=True)
-                else:
+        try:
+            if self._in_place(src, nbytes):
+                self._transfer(fd, data, nbytes, offset, writing=True)
+            else:
+                with self._staging_lock:
                     staging = self._staging()
                     for pos in range(0, nbytes, STAGING_BYTES):
                         n = min(STAGING_BYTES, nbytes - pos)
                         staging[:n] = data[pos:pos + n]
                         self._transfer(fd, staging, aligned(n), offset + pos, writing=True)
-            except BaseException:
+        except BaseException:
+            with self._lock:
                 self._release(offset, aligned(nbytes))
-                raise
+            raise
+        with self._lock:
             self._live[offset] = nbytes
             self.bytes_written += nbytes
         return Extent(offset, nbytes)
@@ -255,14 +261,16 @@ class DiskStore:
             if extent.nbytes == 0:
                 return
             self._check_live(extent)
-            if self._in_place(dst, extent.nbytes):
-                self._transfer(fd, out, extent.nbytes, extent.offset, writing=False)
-            else:
+        if self._in_place(dst, extent.nbytes):
+            self._transfer(fd, out, extent.nbytes, extent.offset, writing=False)
+        else:
+            with self._staging_lock:
                 staging = self._staging()
                 for pos in range(0, extent.nbytes, STAGING_BYTES):
                     n = min(STAGING_BYTES, extent.nbytes - pos)
                     self._transfer(fd, staging, aligned(n), extent.offset + pos, writing=False)
                     out[pos:pos + n] = staging[:n]
+        with self._lock:
             self.bytes_read += extent.nbytes
 
     def free(self, extent: Extent) -> None:

@@ -35,70 +35,13 @@ import torch
 
 from hyperpar.offload.capture.checked.replay_program import D2H, H2D
 from hyperpar.offload.capture.fast.fast_schedule import MoveSchedule
+from hyperpar.offload.capture.fast.move_slot import MoveSlot
 from hyperpar.offload.capture.fast.saved_versions import checked_version, version_keeper
 from hyperpar.offload.runtime.disk_tier import DiskTier
 from hyperpar.offload.runtime.host_pool import aligned
 from hyperpar.offload.runtime.residency_manager import byte_view
 
 Tensor = torch.Tensor
-
-
-_use_count = torch._C._storage_Use_Count
-
-
-class _Slot:
-    """One storage the plan moves: its device bytes (the original, then a paged-in copy, or
-    None), its host copy, the copies' events, the source the copy out reads (weakly: the
-    engine holds it while the copy may read), and the last tensor rebuilt from it."""
-
-    __slots__ = ("d2h", "device", "h2d", "host", "nbytes", "original", "sid", "src", "view", "view_key")
-
-    def __init__(self, storage: torch.UntypedStorage, sid: int = -1) -> None:
-        self.sid = sid  # the plan's storage id (said in errors)
-        self.device: torch.UntypedStorage | None = storage
-        self.original = weakref.ref(storage)
-        self.nbytes = storage.nbytes()
-        self.host: Tensor | None = None
-        self.d2h: Any = None
-        self.h2d: Any = None
-        self.src: weakref.ref | None = None
-        self.view: Tensor | None = None
-        self.view_key: tuple[Any, ...] | None = None
-
-    # what the disk tier reads and sets of a host copy (``runtime.disk_tier``)
-    @property
-    def host_event(self) -> Any:
-        return self.d2h
-
-    @host_event.setter
-    def host_event(self, event: Any) -> None:
-        self.d2h = event
-
-    @property
-    def h2d_event(self) -> Any:
-        return self.h2d
-
-    def held_elsewhere(self) -> bool:
-        """Whether a tensor (Python's, autograd's) still holds the user's storage: anything but
-        its Python object, which this slot may keep, and a copy out still reading it."""
-        original = self.original()
-        if original is None:
-            return False
-        engine_holds = self.src is not None and self.src() is not None
-        return _use_count(original._cdata) > 1 + engine_holds
-
-    def live(self, bring_back: bool) -> torch.UntypedStorage | None:
-        """The user's storage while it lives on the device (its bytes are the live ones). One
-        the fallback's dispatch mode evicted has them with the mode: only where a ``.data``
-        alias may have written it since the copy out is it brought back (``bring_back``: any
-        op reading it under the mode does that; a ``set_`` onto it would resize it instead, to
-        garbage bytes); else the slot's host copy is as good and the mode keeps its budget."""
-        original = self.original()
-        if original is not None and original.nbytes() != self.nbytes:
-            if not bring_back:
-                return None
-            torch.ops.aten.alias.default(byte_view(original))
-        return original
 
 
 class MovingStep:
@@ -122,7 +65,7 @@ class MovingStep:
         self._empty = torch.empty(0, device=device)  # what version keepers hold instead of bytes
         # an engine that checks what its copies read is told that the user may write these
         self._shared = getattr(engine, "source_may_change", None)
-        self.slots: dict[int, _Slot] = {}
+        self.slots: dict[int, MoveSlot] = {}
         self.event = 0
         self.on_plan = True  # events still match the checked replay's (else: demand only)
         self.bytes_d2h = self.bytes_h2d = self.demand_faults = 0
@@ -135,7 +78,7 @@ class MovingStep:
         # storages a ``.data`` alias was taken of in this step (by id, weakly)
         self._unversioned: dict[int, weakref.ref] = {}
         self.mode_evicts = False  # after a departure: the fallback's dispatch mode may evict
-        self._held: list[tuple[int, _Slot]] = []  # released while Python held them, still to die
+        self._held: list[tuple[int, MoveSlot]] = []  # released while Python held them, still to die
         # their bytes, counted when released: dead ones stay counted until a look that may
         # change something (the plan's bytes plus this reaching ``worst``) drops them
         self._held_bytes = 0
@@ -157,7 +100,7 @@ class MovingStep:
         if slot in self._moved:
             s = self.slots.get(slot)
             if s is None:
-                s = _Slot(t.untyped_storage(), self.schedule.slot_sid[slot])
+                s = MoveSlot(t.untyped_storage(), self.schedule.slot_sid[slot])
                 if s.nbytes > self._slot_bytes[slot] and self.on_plan:
                     # larger than the plan's (a step its saved tensors cover in shape, with
                     # a larger base): the plan's bytes no longer bound the step's
@@ -207,7 +150,7 @@ class MovingStep:
                 return self._rebuilt(packed[3], slot, key)
         return checked_version(t, version)
 
-    def _rebuilt(self, s: _Slot, slot: int, key: tuple[Any, ...]) -> Tensor:
+    def _rebuilt(self, s: MoveSlot, slot: int, key: tuple[Any, ...]) -> Tensor:
         """The saved tensor, from the user's storage while anything holds it (its live bytes:
         an alias may have written it since the copy out), else from the slot's paged-in copy
         (paged in now if the plan did not)."""
@@ -258,7 +201,7 @@ class MovingStep:
                 self.on_held(f"{len(held)} storage(s) the plan released are still held by Python, over the "
                              f"budget (storage {self.schedule.slot_sid[held[0][0]]} first)")
 
-    def _alive_held(self) -> list[tuple[int, _Slot]]:
+    def _alive_held(self) -> list[tuple[int, MoveSlot]]:
         """``_held`` without the storages nothing else holds any more (``_let_go``), and
         ``_held_bytes`` exact again."""
         held = []
@@ -299,7 +242,7 @@ class MovingStep:
         ref = self._unversioned.get(id(st))
         return ref is not None and ref() is st
 
-    def _let_go(self, s: _Slot, slot: int) -> None:
+    def _let_go(self, s: MoveSlot, slot: int) -> None:
         """Drop the slot's hold of the user's storage. If a ``.data`` alias may have written
         it since the copy out (no version counter tells), its final bytes go out again first,
         into the same host bytes (the device bytes are freed once that copy has read them);
@@ -366,7 +309,7 @@ class MovingStep:
         self._own.append(got[0])
         return got[0][:nbytes], got[1]
 
-    def _copy_out(self, s: _Slot, slot: int, again: bool = False) -> None:
+    def _copy_out(self, s: MoveSlot, slot: int, again: bool = False) -> None:
         """The storage's bytes to host (``again``: its final bytes, over its host copy, after
         the first copy out into them)."""
         storage = s.device
@@ -391,7 +334,7 @@ class MovingStep:
             self._shared(s.d2h)  # the user may write the storage meanwhile (a torn copy is never used)
         self.bytes_d2h += s.nbytes
 
-    def _page_in(self, s: _Slot, slot: int = -1) -> torch.UntypedStorage:
+    def _page_in(self, s: MoveSlot, slot: int = -1) -> torch.UntypedStorage:
         tier = self.tier
         if tier is not None:
             tier.bring_to_host(s)
@@ -406,11 +349,11 @@ class MovingStep:
             tier.returned(s, self._drop_host_copy)
         return storage
 
-    def _has_copy(self, s: _Slot) -> bool:
+    def _has_copy(self, s: MoveSlot) -> bool:
         """Whether the slot's bytes are on host, or on disk through the tier."""
         return s.host is not None or (self.tier is not None and self.tier.holds(s))
 
-    def _drop_host_copy(self, s: _Slot) -> None:
+    def _drop_host_copy(self, s: MoveSlot) -> None:
         """The tier needs the room of a slot back on the device: its host copy goes."""
         assert self.tier is not None
         self.tier.forget(s)
