@@ -56,3 +56,35 @@ def test_release_of_a_foreign_slab_is_refused_by_name() -> None:
 def test_bad_arguments(kwargs: dict) -> None:
     with pytest.raises(ValueError, match=next(iter(k for k in ("window_steps", "cap_bytes") if k in kwargs))):
         HostPool(**kwargs)
+
+
+def _plain(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def test_a_pinned_pool_under_a_cap_holds_powers_of_two_that_fit_it() -> None:
+    """The pinned allocator rounds each block up to a power of two: under a cap that is not
+    one (a disk tier's host budget), every arena must be one already, or the real pinned bytes
+    would pass the cap (up to twice it)."""
+    cap = 26 << 20  # 26 MiB: between 16 and 32
+    pool = HostPool(cap, pin_memory=True, arena_allocator=_plain, align=4096)
+    for step in range(4):
+        slabs = [pool.acquire(3 << 20) for _ in range(8)]  # 24 MiB in 3 MiB slabs
+        got = [s for s in slabs if s is not None]
+        assert sum(s.numel() for s in got) <= cap
+        for size in pool.arena_sizes:
+            assert size & (size - 1) == 0, f"step {step}: a pinned arena of {size} bytes is no power of two"
+        assert pool.held_bytes <= cap and pool.step_peak_held_bytes <= cap
+        for s in got:
+            pool.release(s)
+        pool.new_step()
+        assert all(size & (size - 1) == 0 for size in pool.arena_sizes) and pool.held_bytes <= cap
+
+
+def test_an_aligned_pool_carves_page_aligned_slabs() -> None:
+    pool = HostPool(1 << 24, align=4096)
+    slabs = [pool.acquire(n) for n in (1, 5000, 4096, 70000)]
+    for s in slabs:
+        assert s is not None and s.data_ptr() % 4096 == 0 and s.numel() % 4096 == 0
+    with pytest.raises(ValueError, match="align"):
+        HostPool(1 << 20, align=1000)

@@ -54,6 +54,17 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def _powers_of_two(total: int, smallest: int) -> list[int]:
+    """``total``'s powers of two from the largest down to ``smallest`` (at most four): pinned
+    arenas that together hold no more than ``total``."""
+    out: list[int] = []
+    while total >= smallest and len(out) < 4:
+        piece = 1 << (total.bit_length() - 1)
+        out.append(piece)
+        total -= piece
+    return out
+
+
 def _done(event: Any) -> bool:
     """An event without ``query`` (a test marker) is never assumed complete."""
     if event is None:
@@ -286,7 +297,9 @@ class HostPool:
         room = self.cap_bytes - self._held
         want = self._growth_bytes(size)
         if want > room:
-            want = size  # the last bit of room under the cap: exact, whatever it costs
+            # the last bit of room under the cap: exact, or pinned the least power of two
+            # (what the pinned allocator really takes), so the cap bounds the real bytes
+            want = _next_pow2(size) if self.pin_memory else size
         if want > room:
             for arena in sorted((a for a in self._arenas.values() if a.lent == 0), key=lambda a: a.size):
                 self._drop_arena(arena)
@@ -330,8 +343,10 @@ class HostPool:
             return
         self._drop_all()
         sizes = self._layout(target)
-        if sum(sizes) > self.cap_bytes:
-            sizes = [min(target, self.cap_bytes)] if self.cap_bytes else []  # one arena of the cap at most
+        if sum(sizes) > self.cap_bytes:  # the cap's bytes at most: one arena, or pinned its powers of two
+            top = self.aligned(min(target, self.cap_bytes)) if self.cap_bytes >= self.align else 0
+            top = min(top, self.cap_bytes // self.align * self.align)
+            sizes = _powers_of_two(top, self.align) if self.pin_memory else [top] if top else []
         for nbytes in sizes:
             self._new_arena(nbytes)
 
