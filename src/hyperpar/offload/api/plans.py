@@ -50,6 +50,8 @@ class Plan:
     # the floor with every storage the fast path cannot move pinned (from the first checked
     # replay's saved-tensor events): budgets at or above it can run fast
     fast_floor: BudgetFloor | None = None
+    # storage id -> the op of its last copy back to the device: the disk tier's order (made once)
+    copy_in: dict[int, int] | None = None
     kept_bytes: int = 0  # retained after the step (parameter gradients, the loss, outputs)
     movable_peak_bytes: int = 0  # the peak of the rest, without offload
 

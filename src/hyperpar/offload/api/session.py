@@ -53,7 +53,7 @@ from hyperpar.offload.capture.fast.fast_replay import FallbackExecutor
 from hyperpar.offload.capture.fast.saved_tensor_guard import SavedTensorGuard
 from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
 from hyperpar.offload.ir.packed import PackedTrace
-from hyperpar.offload.ir.packed_schedule import PackedSchedule
+from hyperpar.offload.ir.packed_schedule import PackedSchedule, last_copy_in
 from hyperpar.offload.ir.packed_view import trace_view
 from hyperpar.offload.ir.report import StepReport
 from hyperpar.offload.planning import gc_pause
@@ -230,11 +230,13 @@ class OffloadSession(FastSteps, RecomputeSteps):
         m = self._manager
         m.clear()
         m.bytes_d2h = m.bytes_h2d = m.demand_faults = m.cap_hits = 0
-        if m.tier is not None:
-            m.tier.begin_step()
         self._pool.new_step()
         budget = self._budget_bytes
         plan = self._choose()
+        if m.tier is not None:
+            if plan is not None and plan.copy_in is None:
+                plan.copy_in = last_copy_in(plan.packed_schedule)
+            m.tier.begin_step(None if plan is None else plan.copy_in)
         self._came_from, self._running = self._prev, plan
         if plan is not None and self._fast_ok(plan):
             self._recompute_enter(None)

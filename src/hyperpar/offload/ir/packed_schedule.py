@@ -53,6 +53,22 @@ class PackedSchedule:
         return schedule
 
 
+def last_copy_in(packed: PackedSchedule) -> dict[int, int]:
+    """Storage id -> the op of its last ``COPY_H2D`` in the schedule: the order in which backward
+    needs the host copies back, which the disk tier spills and reads back by."""
+    code = _CODE[ResidencyActionType.COPY_H2D]
+    bounds = packed.start.tolist()
+    out: dict[int, int] = {}
+    segment = 0
+    for j, k in enumerate(packed.kind):
+        if k != code:
+            continue
+        while bounds[segment + 1] <= j:
+            segment += 1
+        out[packed.sid[j]] = segment // 2
+    return out
+
+
 def _action_lists(start: array, kind: bytes, sid: array) -> list[list[ResidencyAction]]:
     """The pre and post lists, interleaved, as objects."""
     acts = list(map(ResidencyAction, map(KINDS.__getitem__, kind), sid))

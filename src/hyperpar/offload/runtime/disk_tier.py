@@ -4,8 +4,12 @@ The residency manager asks this tier for every host slab (``acquire``) and tells
 storage leaves the device (``evicted``) and when its bytes must be on host again
 (``bring_to_host``). The policy is online and needs no plan:
 
-- **Spill the oldest first.** Backward reads activations in the reverse order forward made
-  them, so of the host copies waiting, the one evicted longest ago is needed last. Once the
+- **Spill the one needed last.** With a plan (every step after the first), the copy the plan
+  brings back to the device last is written out first, and copies on disk are read back in
+  the order the plan brings them back (``begin_step(copy_in)``): what Belady's rule asks, with
+  the future known. Without one (the first step), by age: backward reads activations in the
+  reverse order forward made them, so the copy evicted longest ago is needed last, and the
+  newest on disk first (an encoder output that every decoder layer reads is where age misleads). Once the
   slabs in use pass ``SPILL_AT`` of the budget, copies are written out oldest first on the
   tier's I/O thread, ahead of need (room for the next slabs before they are asked for); a
   slab the budget needs now waits for those writes.
@@ -47,6 +51,7 @@ from hyperpar.offload.runtime.host_pool import HostPool, aligned
 
 logger = logging.getLogger(__name__)
 
+_NEVER = 1 << 62  # the copy-back op of a storage the plan never copies back
 SPILL_AT = 0.5  # share of the host budget in use past which copies are written out ahead of need
 READ_AT = 0.75  # share of the host budget that copies read back ahead of need may fill
 
@@ -92,6 +97,7 @@ class DiskTier:
         self._spilled: dict[Any, _Spilled] = {}  # entry -> its copy written, on disk, or read back
         self._on_disk: OrderedDict[Any, None] = OrderedDict()  # entries wholly on disk, oldest spill first
         self._failed: BaseException | None = None  # a write failed this step: spilling stopped
+        self.copy_in: dict[int, int] | None = None  # the plan's order of copies back (``begin_step``)
         self.bytes_to_disk = 0
         self.bytes_from_disk = 0
         self.demand_reads = 0
@@ -171,7 +177,7 @@ class DiskTier:
             return
         self._collect()
         limit = int(READ_AT * self.budget_bytes)
-        for entry in reversed(list(self._on_disk)):
+        for entry in self._read_order():
             rec = self._spilled[entry]
             need = self.pool.in_use_bytes + aligned(rec.nbytes) - limit
             while need > 0 and self._drop_settled_copy():
@@ -206,8 +212,12 @@ class DiskTier:
         rec.slab = None
         self._free_extent(rec)
 
-    def begin_step(self) -> None:
-        """The step's counters from zero; a write failure is tried (and said) again."""
+    def begin_step(self, copy_in: dict[int, int] | None = None) -> None:
+        """The step's counters from zero; a write failure is tried (and said) again. ``copy_in``:
+        the plan's op of each storage's copy back to the device (``ir.packed_schedule.last_copy_in``),
+        by which copies are spilled (the one needed last first) and read back (the one needed
+        first first); None (the first step, no plan yet): by age, oldest out, newest back."""
+        self.copy_in = copy_in
         self._failed = None
         self.bytes_to_disk = self.bytes_from_disk = self.demand_reads = 0
         self.write_s = self.read_s = 0.0
@@ -261,7 +271,8 @@ class DiskTier:
         """Start writing the oldest host copy (``wait``: and wait for it); its slab's size, 0 if none."""
         if self._failed is not None or not self._host:
             return 0 if not wait else int(self._wait_oldest_write())
-        entry, _ = self._host.popitem(last=False)
+        entry = self._latest_needed(self._host)
+        del self._host[entry]
         if entry.host_event is not None:
             self._finish(entry.host_event)  # its copy off the device has written the slab
             entry.host_event = None
@@ -298,7 +309,8 @@ class DiskTier:
         again): room a copy needed sooner takes. False when no read is ahead of need."""
         if not self._reading:
             return False
-        entry, _ = self._reading.popitem()
+        entry = self._latest_needed(self._reading)
+        del self._reading[entry]
         rec = self._spilled[entry]
         future, rec.future = rec.future, None
         if future is not None and not future.cancel():
@@ -311,6 +323,21 @@ class DiskTier:
         rec.slab = None
         self._on_disk[entry] = None  # the newest again: read back first
         return True
+
+    def _latest_needed(self, entries: OrderedDict[Any, Any]) -> Any:
+        """Of ``entries`` (oldest first), the one the plan copies back last (one it never copies
+        back, before any), or without a plan the oldest."""
+        copy_in = self.copy_in
+        if copy_in is None:
+            return next(iter(entries))
+        return max(entries, key=lambda e: copy_in.get(e.sid, _NEVER))
+
+    def _read_order(self) -> list[Any]:
+        """Copies on disk in the order to read them back: by the plan's copy back, else newest first."""
+        copy_in = self.copy_in
+        if copy_in is None:
+            return list(reversed(self._on_disk))
+        return sorted(self._on_disk, key=lambda e: copy_in.get(e.sid, _NEVER))
 
     def _wait_oldest_write(self) -> bool:
         for rec in self._spilled.values():
