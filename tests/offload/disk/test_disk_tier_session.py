@@ -4,6 +4,7 @@ budget holds, and the file is gone when the session closes or a step fails."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -210,3 +211,31 @@ def test_the_fast_path_runs_through_the_disk_tier(tmp_path: Path) -> None:
     assert fast_disk >= 3, "the fast path never moved bytes through the disk tier"
     session.close()
     assert _files(tmp_path) == []
+
+
+def test_the_chrome_trace_shows_the_disk_tiers_writes_and_reads(tmp_path: Path) -> None:
+    peak = _peak()
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=0.6 * peak / MIB, timeline=True,
+                                           max_host_activation_mb=0.2 * peak / MIB, disk_dir=disk))
+    model = _model()
+    for step in range(2):  # warmup, then the checked replay the timeline records
+        _step(model, step, session)
+        for p in model.parameters():
+            p.grad = None
+    report = session.last_report
+    assert report is not None and report.replay_path == "checked"
+    assert report.bytes_to_disk > 0 and report.bytes_from_disk > 0
+    doc = json.loads(session.export_chrome_trace(tmp_path / "trace.json").read_text())
+    lanes: dict[str, list[dict[str, object]]] = {}
+    for event in doc["traceEvents"]:
+        if event.get("ph") == "X" and event.get("cat") in ("disk write", "disk read"):
+            lanes.setdefault(str(event["cat"]), []).append(event)
+    assert set(lanes) == {"disk write", "disk read"}, "the trace shows no disk I/O"
+    for events in lanes.values():
+        for event in events:  # within the step, on the step's clock
+            start, end = float(event["ts"]), float(event["ts"]) + float(event["dur"])
+            assert 0 <= start <= end <= report.step_ms * 1e3 + 5e4
+    assert doc["otherData"]["step"]["bytes_to_disk"] == report.bytes_to_disk
+    session.close()

@@ -426,7 +426,9 @@ class OffloadSession(FastSteps, RecomputeSteps):
             assert self._running is not None
             report.predicted_step_ms = self._running.predicted_ms
             if executor.timer is not None:
-                self._timeline = executor.timeline(self._manager.engine.spans())
+                tier = self._manager.tier
+                self._timeline = executor.timeline(self._manager.engine.spans()
+                                                   + ([] if tier is None else tier.spans))
         if trace is not None and packed is not None:  # a warmup, or a replay that diverged and traced itself
             signature = signature_of(packed, keys)
             structure = self._structures.get(signature)

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import torch
 
 D2H_LANE, H2D_LANE = "D2H", "H2D"
+DISK_WRITE_LANE, DISK_READ_LANE = "disk write", "disk read"  # the disk tier's I/O thread
 
 
 @dataclass(slots=True)

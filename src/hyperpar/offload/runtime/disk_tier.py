@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from hyperpar.offload.runtime.copy_engine import DISK_READ_LANE, DISK_WRITE_LANE, CopySpan
 from hyperpar.offload.runtime.disk_store import DiskStore, Extent, _check_directory
 from hyperpar.offload.runtime.host_pool import HostPool, aligned
 
@@ -61,6 +62,7 @@ class _Spilled:
     """One storage's host copy on its way to disk, on disk, or on its way back."""
 
     nbytes: int
+    sid: int  # the storage's id (the timeline's label)
     slab: torch.Tensor | None  # held while a write reads it or a read fills it
     future: Future[Any] | None = None
     extent: Extent | None = None
@@ -98,6 +100,8 @@ class DiskTier:
         self._on_disk: OrderedDict[Any, None] = OrderedDict()  # entries wholly on disk, oldest spill first
         self._failed: BaseException | None = None  # a write failed this step: spilling stopped
         self.copy_in: dict[int, int] | None = None  # the plan's order of copies back (``begin_step``)
+        self.origin = time.perf_counter()  # the step's start, for ``spans``
+        self.spans: list[CopySpan] = []  # the step's writes and reads, for the timeline
         self.bytes_to_disk = 0
         self.bytes_from_disk = 0
         self.demand_reads = 0
@@ -218,6 +222,8 @@ class DiskTier:
         by which copies are spilled (the one needed last first) and read back (the one needed
         first first); None (the first step, no plan yet): by age, oldest out, newest back."""
         self.copy_in = copy_in
+        self.origin = time.perf_counter()
+        self.spans = []
         self._failed = None
         self.bytes_to_disk = self.bytes_from_disk = self.demand_reads = 0
         self.write_s = self.read_s = 0.0
@@ -276,7 +282,7 @@ class DiskTier:
         if entry.host_event is not None:
             self._finish(entry.host_event)  # its copy off the device has written the slab
             entry.host_event = None
-        rec = _Spilled(nbytes=entry.nbytes, slab=entry.host, writing=True)
+        rec = _Spilled(nbytes=entry.nbytes, sid=entry.sid, slab=entry.host, writing=True)
         entry.host = None  # the tier holds the slab until the write is collected
         if self.store is None:
             self.store = DiskStore(self.directory, direct=self._direct)
@@ -395,14 +401,16 @@ class DiskTier:
         alignment, so page-aligned slabs move in place under direct I/O (the tail is padding)."""
         return slab[:min(slab.numel(), self.pool.aligned(nbytes))]
 
-    def _timed(self, rec: _Spilled, done: tuple[Extent | None, float]) -> None:
+    def _timed(self, rec: _Spilled, done: tuple[Extent | None, float, float]) -> None:
         """A finished transfer's result: a write's extent, and the I/O thread's time on it."""
-        value, seconds = done
+        value, t0, t1 = done
         if rec.writing:
             rec.extent = value
-            self.write_s += seconds
+            self.write_s += t1 - t0
         else:
-            self.read_s += seconds
+            self.read_s += t1 - t0
+        self.spans.append(CopySpan(DISK_WRITE_LANE if rec.writing else DISK_READ_LANE, rec.sid, rec.nbytes,
+                                   (t0 - self.origin) * 1e3, (t1 - self.origin) * 1e3))
 
     def _free_extent(self, rec: _Spilled) -> None:
         extent, rec.extent = rec.extent, None
@@ -410,8 +418,8 @@ class DiskTier:
             self.store.free(extent)
 
 
-def _timed_call(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
-    """On the I/O thread: ``fn(*args)`` and the seconds it took."""
+def _timed_call(fn: Callable[..., Any], *args: Any) -> tuple[Any, float, float]:
+    """On the I/O thread: ``fn(*args)``, and when it started and ended (``perf_counter``)."""
     t0 = time.perf_counter()
     value = fn(*args)
-    return value, time.perf_counter() - t0
+    return value, t0, time.perf_counter()

@@ -1,7 +1,8 @@
 """The last replay's timeline as a Chrome trace (chrome://tracing, Perfetto).
 
-Three tracks in one process: compute (one slice per op), D2H and H2D (one slice per copy,
-named after the storage). Times are microseconds from the start of the step. The step's
+Tracks in one process: compute (one slice per op), D2H and H2D (one slice per copy, named
+after the storage) and, with a disk tier, its writes and reads (host clock, from the tier's
+``begin_step``). Times are microseconds from the start of the step. The step's
 totals (``step``: what it kept on the device, offloaded, rebuilt in backward) go in
 ``otherData`` and on a marker at its start, since a rebuilt call shows only as more ops.
 """
@@ -13,10 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hyperpar.offload.runtime.copy_engine import D2H_LANE, H2D_LANE, CopySpan
+from hyperpar.offload.runtime.copy_engine import D2H_LANE, DISK_READ_LANE, DISK_WRITE_LANE, H2D_LANE, CopySpan
 
 COMPUTE_TRACK = "compute"
-TRACKS = {COMPUTE_TRACK: 1, D2H_LANE: 2, H2D_LANE: 3}
+TRACKS = {COMPUTE_TRACK: 1, D2H_LANE: 2, H2D_LANE: 3, DISK_WRITE_LANE: 4, DISK_READ_LANE: 5}
 
 
 @dataclass
@@ -32,7 +33,10 @@ class StepTimeline:
         events: list[dict[str, Any]] = [
             {"name": "process_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "hyperpar offload step"}}
         ]
+        lanes = {c.lane for c in self.copies}
         for name, tid in TRACKS.items():
+            if name in (DISK_WRITE_LANE, DISK_READ_LANE) and name not in lanes:
+                continue  # disk tracks only where a disk tier moved bytes
             events.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": name}})
             events.append({"name": "thread_sort_index", "ph": "M", "pid": 1, "tid": tid,
                            "args": {"sort_index": tid}})
