@@ -111,3 +111,21 @@ def test_the_files_high_water_mark() -> None:
     assert host_tier(_four(), _offload_all(prefetch=False), 2 * M).peak_disk_bytes == 3 * M
     # with reads ahead: 0 and 1 on disk together, until 2 and 3 came back
     assert host_tier(_four(), _offload_all(prefetch=True), 4 * M).peak_disk_bytes == 2 * M
+
+
+def test_the_copy_the_plan_brings_back_last_is_written_first() -> None:
+    """Storage 0 is read first in backward (an encoder output, say) though it left first: by age it
+    would go to disk first; by the plan's order (the runtime's on every planned step) 3 and 2 go."""
+    ops = [(f"w{i}", 1.0) for i in range(4)] + [("r0", 1.0), ("r3", 1.0), ("r2", 1.0), ("r1", 1.0)]
+    trace = make_trace(ops, {i: M for i in range(4)}, budget=M)
+    acts = {(i, "post"): f"d2h {i}, free {i}" for i in range(4)}
+    for k, sid in enumerate((0, 3, 2, 1)):
+        acts[4 + k, "pre"] = f"h2d {sid}"
+        acts[4 + k, "post"] = f"free {sid}, freehost {sid}"
+    schedule = _schedule(acts)
+    verify(trace, schedule)
+    est = host_tier(trace, schedule, 2 * M)
+    # evictions past one copy: at 1's, of 0 and 1 the later one back (1); at 2's, of 0 and 2: 2;
+    # at 3's, of 0 and 3: 3 (back second, after 0)
+    assert est.spilled_sids == (1, 2, 3)
+    assert 0 not in est.spilled_sids, "the copy needed first in backward went to disk"

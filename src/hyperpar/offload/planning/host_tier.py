@@ -1,19 +1,22 @@
 """What a disk tier would do with a plan: host bytes over the step, bytes to and from disk, I/O time.
 
-The runtime's ``DiskTier`` needs no plan (its policy is online), so a plan cannot say what it
-will spill; this replays the same policy on the schedule's actions, in order, to tell before a
-run whether a host budget is worth a disk tier. Planning may not import the runtime, so the two
+The runtime's ``DiskTier`` decides as the step goes (room, and the order the plan brings copies
+back, which it is given), so a plan does not say what it will spill; this replays the same
+policy on the schedule's actions, in order, to tell before a run whether a host budget is worth
+a disk tier. Planning may not import the runtime, so the two
 marks are copied here (a test checks they still match ``runtime.disk_tier``):
 
 - a host copy is taken at its COPY_D2H and becomes spillable at its RELEASE_DEVICE (evicted);
   a COPY_D2H of a storage whose host copy is still held takes no new room;
 - room for a new copy is made by dropping copies of storages back on the device (oldest
-  first), then by writing the oldest evicted copies to disk;
-- after an eviction, once copies in use pass ``SPILL_AT`` of the budget, the oldest evicted
-  copies are written until they are back under it;
-- a COPY_H2D of a copy on disk reads it (a demand read); after every COPY_H2D the newest copies
-  on disk are read back while copies in use stay under ``READ_AT`` of the budget, dropping
-  copies already back on the device (all but the one just brought in, still in flight) for room;
+  first), then by writing to disk the evicted copy the plan brings back last (its last
+  COPY_H2D; never, first), as the runtime does on every step with a plan (``copy_in``);
+- after an eviction, once copies in use pass ``SPILL_AT`` of the budget, evicted copies are
+  written in that order until they are back under it;
+- a COPY_H2D of a copy on disk reads it (a demand read); after every COPY_H2D the copies on
+  disk the plan brings back first are read back while copies in use stay under ``READ_AT`` of
+  the budget, dropping copies already back on the device (all but the one just brought in,
+  still in flight) for room;
 - a copy no room can be made for stays on the device (``kept_on_device_bytes``), as does a
   storage whose copy was dropped while it was back on the device and that leaves again;
 - RELEASE_HOST, and the RELEASE_DEVICE after which a storage never comes back, free its copy.
@@ -34,6 +37,7 @@ from typing import Any
 from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
 from hyperpar.offload.ir import ResidencyActionType as Act
 
+_NEVER = 1 << 62
 SPILL_AT = 0.5  # as runtime.disk_tier.SPILL_AT
 READ_AT = 0.75  # as runtime.disk_tier.READ_AT
 # The raw O_DIRECT figures of benchmarks/results/disk_store.json (this repository's CI machine).
@@ -216,7 +220,8 @@ class _Tier:
 
     def spill_until(self, target: int) -> None:
         while self.in_use > target and self.host:
-            sid, size = self.host.popitem(last=False)
+            sid = max(self.host, key=self._comes_back)  # the one the plan brings back last
+            size = self.host.pop(sid)
             self.in_use -= size
             self.to_disk += size
             self.on_disk[sid] = size
@@ -229,7 +234,8 @@ class _Tier:
         assert self.budget is not None or not self.on_disk
         limit = READ_AT * (self.budget or 0)
         while self.on_disk:
-            sid, size = next(reversed(self.on_disk.items()))
+            sid = min(self.on_disk, key=self._comes_back)  # the one the plan brings back first
+            size = self.on_disk[sid]
             while self.in_use + size > limit and self._drop_settled(in_flight):
                 pass
             if self.in_use + size > limit:
@@ -238,6 +244,10 @@ class _Tier:
             self.reading[sid] = size
             self.take(size)
             self.from_disk += size
+
+    def _comes_back(self, sid: int) -> int:
+        """When the plan copies ``sid`` back to the device (its last COPY_H2D), or never."""
+        return self.last_h2d.get(sid, _NEVER)
 
     def _drop_settled(self, in_flight: int) -> bool:
         for sid in self.returned:
