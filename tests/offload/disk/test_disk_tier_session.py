@@ -5,6 +5,7 @@ budget holds, and the file is gone when the session closes or a step fails."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -178,10 +179,13 @@ def test_a_missing_or_non_directory_disk_dir_fails_when_the_session_is_built(tmp
 
 
 @pytest.mark.usefixtures("steady_link")  # asserts which path a plan takes (tests/offload/conftest.py)
-def test_a_fast_step_whose_copy_finds_no_host_room_hands_over_to_the_dispatch_mode(tmp_path: Path) -> None:
+def test_a_fast_step_whose_copy_finds_no_host_room_hands_over_to_the_dispatch_mode(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A host budget below one storage the plan moves: no copy out finds room, so the storage
     stays on the device past the plan's bytes; a fast step must not report the plan's peak
-    then, it goes on under the dispatch mode, which measures (and keeps what it can)."""
+    then, it goes on under the dispatch mode, which measures (and keeps what it can). The
+    session says so once, when it plans."""
+    caplog.set_level(logging.WARNING, logger="hyperpar.offload.api.session")
     peak = _peak()
     session = OffloadSession(OffloadConfig(max_resident_activation_mb=0.6 * peak / MIB,
                                            max_host_activation_mb=0.01, disk_dir=tmp_path))
@@ -192,6 +196,8 @@ def test_a_fast_step_whose_copy_finds_no_host_room_hands_over_to_the_dispatch_mo
         if report.replay_path != "fast":
             assert report.peak_resident_bytes > report.budget_bytes, "no copy left: the step must be over"
     assert "fast" not in paths, paths
+    said = [r.getMessage() for r in caplog.records if "host budget" in r.getMessage()]
+    assert len(said) == 1 and "stay on the device" in said[0], said
     session.close()
 
 

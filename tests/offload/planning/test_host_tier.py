@@ -129,3 +129,13 @@ def test_the_copy_the_plan_brings_back_last_is_written_first() -> None:
     # at 3's, of 0 and 3: 3 (back second, after 0)
     assert est.spilled_sids == (1, 2, 3)
     assert 0 not in est.spilled_sids, "the copy needed first in backward went to disk"
+
+
+def test_the_warning_says_io_the_step_cannot_hide_and_copies_with_no_room() -> None:
+    slow = host_tier(_four(ms=0.1), _offload_all(prefetch=False), 2 * M, write_gbps=1.0, read_gbps=1.0)
+    said = slow.warning(step_ms=1.0)  # 3 MB out and back at 1 GB/s: 6 ms of I/O against a 1 ms step
+    assert said is not None and "longer than the step (1.0 ms)" in said and "6.0 ms a step" in said
+    assert slow.warning(step_ms=100.0) is None  # hidden under a long step
+    tight = host_tier(_four(), _offload_all(prefetch=False), M // 2)
+    said = tight.warning(step_ms=1e6)
+    assert said is not None and "stay on the device" in said

@@ -122,6 +122,7 @@ class OffloadSession(FastSteps, RecomputeSteps):
         self._t0 = 0.0
         self._budget_bytes = config.budget_bytes  # max_resident_fraction: resolved at the first trace
         self._said_below_floor = False
+        self._said_disk_tier = False
         self._said_below_fast_floor = False
         self._recompute_init()
         self._hooks_held = False
@@ -569,6 +570,8 @@ class OffloadSession(FastSteps, RecomputeSteps):
         if not isinstance(predicted, (int, float)) or isinstance(predicted, bool):
             predicted = sim.predicted_step_ms
         packed_schedule = PackedSchedule(schedule)
+        if self._manager.tier is not None and not self._said_disk_tier and not quiet:
+            self._say_disk_tier(trace, schedule, float(predicted))
         resident = sim.resident_bytes  # the device's bytes, without the budget's reserve
         if arrays.reserve_bytes is not None:
             resident = (np.asarray(resident, dtype=np.int64) - arrays.reserve_bytes).tolist()
@@ -578,6 +581,21 @@ class OffloadSession(FastSteps, RecomputeSteps):
         return Plan(signature, packed, packed_schedule, program, float(predicted),
                      sum(trace.storage_sizes.values()), floor, kept_bytes=kept,
                      movable_peak_bytes=movable_peak)
+
+    def _say_disk_tier(self, trace: ActivationTrace, schedule: ResidencySchedule, step_ms: float) -> None:
+        """Once per session: the disk tier's work on the first plan, at the disk's bandwidth the
+        tier measured so far (else the defaults), when the step cannot hide it."""
+        from hyperpar.offload.planning.host_tier import DEFAULT_READ_GBPS, DEFAULT_WRITE_GBPS, host_tier
+
+        tier = self._manager.tier
+        host_budget = self.config.host_budget_bytes
+        assert tier is not None and host_budget is not None
+        write = tier.bytes_to_disk / (tier.write_s * 1e9) if tier.write_s > 0 else DEFAULT_WRITE_GBPS
+        read = tier.bytes_from_disk / (tier.read_s * 1e9) if tier.read_s > 0 else DEFAULT_READ_GBPS
+        said = host_tier(trace, schedule, host_budget, write, read).warning(step_ms)
+        if said is not None:
+            logger.warning("%s", said)
+            self._said_disk_tier = True
 
     def _for_device(self, trace: ActivationTrace, arrays: TraceArrays) -> tuple[ActivationTrace, TraceArrays]:
         """The trace and arrays the planner sees: as measured, or with ``plan_for`` set, each

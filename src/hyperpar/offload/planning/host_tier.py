@@ -73,6 +73,25 @@ class HostTierEstimate:
     def fits(self) -> bool:
         return self.io_ms <= self.compute_ms
 
+    def warning(self, step_ms: float) -> str | None:
+        """What a user of this host budget should hear before the steps, or None: I/O the step
+        cannot hide (``step_ms``: the plan's predicted step), or copies no room is left for."""
+        mib = 1 << 20
+        said = []
+        if self.io_ms > step_ms and self.bytes_to_disk:
+            said.append(f"the disk tier's I/O ({self.bytes_to_disk / mib:.1f} MiB written at "
+                        f"{self.write_gbps:.2f} GB/s and {self.bytes_from_disk / mib:.1f} MiB read at "
+                        f"{self.read_gbps:.2f} GB/s: {self.io_ms:.1f} ms a step) is longer than the step "
+                        f"({step_ms:.1f} ms), so steps will wait for the disk")
+        if self.kept_on_device_bytes:
+            said.append(f"{self.kept_on_device_bytes / mib:.1f} MiB of copies find no room in the host "
+                        f"budget (copies on their way out hold it) and stay on the device, over its budget")
+        if not said:
+            return None
+        return (f"host budget {self.host_budget_bytes / mib:.1f} MiB (the plan's host copies peak at "
+                f"{self.peak_host_bytes / mib:.1f} MiB without one): " + "; ".join(said) +
+                "; a larger host or device budget, or recompute, is cheaper")
+
     def as_dict(self) -> dict[str, Any]:
         doc = asdict(self)
         del doc["spilled_sids"]  # one per spill: long on a real step
