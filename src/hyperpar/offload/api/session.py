@@ -323,12 +323,27 @@ class OffloadSession(FastSteps, RecomputeSteps):
               tb: TracebackType | None) -> bool:
         fast, packs = self._fast, self._packs
         self._fast = self._packs = None
+        finish_error: BaseException | None = None
         if fast is not None:
             fast.guard.__exit__()
             if fast.moving is not None:
-                fast.moving.finish()
+                try:
+                    fast.moving.finish()
+                except BaseException as error:  # (a page-in with no host room): the step fails, and
+                    # the cleanup below still runs: no dispatch mode left entered, no file left
+                    if exc_type is None:
+                        exc_type, exc, finish_error = type(error), error, error
+                    else:
+                        logger.exception("cleanup after a failed offload step failed; re-raising the "
+                                         "original error")
             if self._executor is None:  # followed its plan (or failed) without a fallback
                 self._exit_fast(fast, exc_type is None)
+                if exc_type is not None:
+                    self._pool.trim()
+                    if self._manager.tier is not None:
+                        self._manager.tier.close_file()  # nothing of a failed step left on disk
+                if finish_error is not None:
+                    raise finish_error
                 return False
         if packs is not None:
             packs.__exit__()
@@ -374,6 +389,8 @@ class OffloadSession(FastSteps, RecomputeSteps):
                     self._manager.tier.close_file()  # nothing of a failed step left on disk
             self._executor = None
             self._mode = None
+        if pending is None:
+            pending = finish_error
         if pending is not None:
             if isinstance(pending, OffloadDivergenceError):
                 self._forget_successor()

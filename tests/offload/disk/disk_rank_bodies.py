@@ -1,0 +1,72 @@
+"""Rank body: DDP steps plainly and inside a session with the disk tier (issue 42), per rank;
+imported by the rank processes of ``test_disk_tier_composes``."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from hyperpar.offload import OffloadConfig, OffloadSession
+from hyperpar.offload.runtime.disk_store import FILE_PREFIX
+from tests.step_context import step_context
+
+MIB = 1 << 20
+WIDTH = 64
+
+
+def _ddp() -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH))
+              for _ in range(4)]
+    return DistributedDataParallel(nn.Sequential(*blocks, nn.Linear(WIDTH, 8)))
+
+
+def _train(rank: int, session: OffloadSession | None, steps: int
+           ) -> tuple[list[list[torch.Tensor]], list[int]]:
+    """SGD steps on this rank's batches: per step the loss and every gradient, and (in a
+    session) the bytes each step wrote to disk."""
+    model = _ddp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    results, to_disk = [], []
+    for step in range(steps):
+        x = torch.randn(256, WIDTH, generator=torch.Generator().manual_seed(100 * step + rank))
+        with step_context(session):
+            loss = model(x).square().mean()
+            loss.backward()
+        results.append([loss.detach().clone()] + [p.grad.detach().clone() for p in model.parameters()])
+        if session is not None:
+            assert session.last_report is not None
+            to_disk.append(session.last_report.bytes_to_disk)
+            assert session.last_report.peak_host_bytes <= (session.config.host_budget_bytes or 0)
+        optimizer.step()
+        optimizer.zero_grad()
+    return results, to_disk
+
+
+def ddp_with_disk_tier_matches_plain(rank: int, world: int, root: str, shared: bool, steps: int
+                                     ) -> dict[str, Any]:
+    """Per step whether loss and gradients with the disk tier are bitwise plain DDP's, the bytes
+    each step wrote to disk, and this rank's files in its directory (``root``, or its own folder
+    ``root/rank<r>``) while open and after close."""
+    disk_dir = root if shared else os.path.join(root, f"rank{rank}")
+    probe = OffloadSession(OffloadConfig(max_resident_activation_mb=1e9))
+    _train(rank, probe, 2)
+    assert probe.last_report is not None
+    peak = probe.last_report.peak_resident_bytes
+    expected, _ = _train(rank, None, steps)
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=0.5 * peak / MIB,
+                                           max_host_activation_mb=0.2 * peak / MIB, disk_dir=disk_dir))
+    got, to_disk = _train(rank, session, steps)
+    store = session._manager.tier.store if session._manager.tier is not None else None
+    mine = None if store is None else os.path.basename(store.path)
+    open_files = [n for n in os.listdir(disk_dir) if n.startswith(FILE_PREFIX)]
+    session.close()
+    left = [n for n in os.listdir(disk_dir) if n == mine]
+    return {"equal": [all(torch.equal(a, b) for a, b in zip(e, g, strict=True))
+                      for e, g in zip(expected, got, strict=True)],
+            "to_disk": to_disk, "mine": mine, "open": open_files, "left": left}
