@@ -58,6 +58,7 @@ class FastSteps:
         any) run at saved-tensor events, with the saved tensors of a clean checked replay to
         compare against."""
         return (self.config.fast_replay and bool(plan.packs) and not self._want_spans
+                and not self.config.verify  # checksums are the checked path's: it checks every copy
                 and not self._structures[plan.signature].to_learn
                 and (not plan.moves or plan.move_schedule is not None)
                 and not plan.program.region_accesses

@@ -99,6 +99,7 @@ class DiskTier:
         self._spilled: dict[Any, _Spilled] = {}  # entry -> its copy written, on disk, or read back
         self._on_disk: OrderedDict[Any, None] = OrderedDict()  # entries wholly on disk, oldest spill first
         self._failed: BaseException | None = None  # a write failed this step: spilling stopped
+        self._said_past_budget = False  # a read past the host budget was said this step
         self.copy_in: dict[int, int] | None = None  # the plan's order of copies back (``begin_step``)
         self.origin = time.perf_counter()  # the step's start, for ``spans``
         self.spans: list[CopySpan] = []  # the step's writes and reads, for the timeline
@@ -133,8 +134,8 @@ class DiskTier:
         return entry in self._spilled
 
     def bring_to_host(self, entry: Any) -> None:
-        """``entry.host`` holds its bytes on return (read now if no read was started). Raises
-        when no host room can be made for the read; the bytes then stay on disk."""
+        """``entry.host`` holds its bytes on return (read now if no read was started; past the
+        host budget, said once a step, where copies that cannot be written out hold all of it)."""
         self._host.pop(entry, None)
         self._reading.pop(entry, None)
         rec = self._spilled.get(entry)
@@ -142,9 +143,10 @@ class DiskTier:
             return
         if not rec.writing and rec.future is None:  # on disk and not asked for yet: read it now
             got = self.acquire(rec.nbytes)
-            if got is None:
-                raise RuntimeError(f"hyperpar disk tier: no host room ({self.pool.in_use_bytes} of "
-                                   f"{self.budget_bytes} bytes in use) to read storage {entry.sid} back")
+            if got is None:  # copies on their way out hold the budget: the step needs these bytes
+                got = self.pool.acquire_with_event(rec.nbytes, past_cap=True)  # now, past it
+                assert got is not None
+                self._say_past_budget(entry.sid, rec.nbytes)
             self.demand_reads += 1
             self._on_disk.pop(entry, None)
             self._start_read(rec, got)
@@ -225,6 +227,7 @@ class DiskTier:
         self.origin = time.perf_counter()
         self.spans = []
         self._failed = None
+        self._said_past_budget = False
         self.bytes_to_disk = self.bytes_from_disk = self.demand_reads = 0
         self.write_s = self.read_s = 0.0
 
@@ -378,6 +381,14 @@ class DiskTier:
             rec.slab = None
             self.bytes_to_disk += rec.nbytes
             self._on_disk[entry] = None
+
+    def _say_past_budget(self, sid: int, nbytes: int) -> None:
+        if not self._said_past_budget:
+            self._said_past_budget = True
+            logger.warning("hyperpar disk tier: no room in the host budget of %d bytes (%d in use by "
+                           "copies that cannot be written out now) to read storage %d (%d bytes) back; "
+                           "read past the budget (StepReport.peak_host_bytes shows by how much)",
+                           self.budget_bytes, self.pool.in_use_bytes, sid, nbytes)
 
     def _fail(self, exc: BaseException) -> None:
         if self._failed is None:

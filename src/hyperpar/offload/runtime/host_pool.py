@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from hyperpar.offload.runtime.normal_tensors import made_outside_inference_mode
 
@@ -71,6 +72,17 @@ def _done(event: Any) -> bool:
         return True
     query = getattr(event, "query", None)
     return bool(query()) if query is not None else False
+
+
+def _outside_any_mode(make: Callable[[int], torch.Tensor]) -> Callable[[int], torch.Tensor]:
+    """Host memory is never a step's activation: an arena made while a step's dispatch mode is
+    on outside its handlers (an unpack hook paging a copy in after a fast step fell back) must
+    not be traced, or the session guards its bytes against the disk tier's I/O thread."""
+    @functools.wraps(make)
+    def wrapper(nbytes: int) -> torch.Tensor:
+        with _disable_current_modes():
+            return make(nbytes)
+    return wrapper
 
 
 def _plain_arena(nbytes: int) -> torch.Tensor:
@@ -120,8 +132,8 @@ class HostPool:
         self.pin_memory = pin_memory
         self.align = align
         plain = _plain_arena if align <= ALIGN_BYTES else functools.partial(_aligned_arena, align)
-        self._allocate_arena = made_outside_inference_mode(
-            arena_allocator or (_pinned_arena if pin_memory else plain))
+        self._allocate_arena = _outside_any_mode(made_outside_inference_mode(
+            arena_allocator or (_pinned_arena if pin_memory else plain)))
         self.in_use_bytes = 0
         self.cap_hits = 0
         self.allocations = 0  # new host allocations (arenas), ever
@@ -164,15 +176,20 @@ class HostPool:
         got = self.acquire_with_event(nbytes)
         return None if got is None else got[0]
 
-    def acquire_with_event(self, nbytes: int) -> tuple[torch.Tensor, Any] | None:
+    def acquire_with_event(self, nbytes: int, past_cap: bool = False) -> tuple[torch.Tensor, Any] | None:
         """A slab of ``aligned(nbytes)`` and the event of the last copy that used its memory
-        (None when idle), or None at the cap."""
+        (None when idle), or None at the cap (``past_cap``: an arena past it instead, for bytes
+        that have nowhere else to go)."""
         size = self.aligned(max(nbytes, 1))
         found = self._best_fit(size)
         if found is None and self._pending:
             self._settle()
             found = self._best_fit(size)
         if found is None and self._grow(size):
+            found = self._best_fit(size)
+        if found is None and past_cap:
+            self._new_arena(_next_pow2(size) if self.pin_memory else size)
+            self._grew = True
             found = self._best_fit(size)
         if found is None:
             self.cap_hits += 1

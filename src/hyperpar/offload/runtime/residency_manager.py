@@ -277,14 +277,17 @@ class ResidencyManager:
         storage = entry.ref()
         if storage is None:
             return
+        tier = self.tier
         if entry.free_pending:  # the device bytes never left: cancel the free
             entry.free_pending = False
             self.pending_bytes -= entry.nbytes
+            if tier is not None:  # a copy on the device again is no more the tier's to spill
+                tier.bring_to_host(entry)
+                tier.returned(entry)
             self._now_resident(entry)
             if demand:
                 self.demand_faults += 1
             return
-        tier = self.tier
         if tier is not None:
             tier.bring_to_host(entry)
         assert entry.host is not None, f"storage {entry.sid} was released without a host copy"
@@ -513,6 +516,8 @@ class ResidencyManager:
         return ok
 
     def _force_resident(self, entry: StorageEntry, storage: torch.UntypedStorage) -> None:
+        if self.tier is not None:
+            self.tier.forget(entry)  # its bytes are on the device or lost: nothing of it to spill
         try:
             if storage.nbytes() != entry.nbytes and not entry.free_pending:
                 storage.resize_(entry.nbytes)  # never leave a 0-byte storage behind

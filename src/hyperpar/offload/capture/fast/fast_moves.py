@@ -169,10 +169,12 @@ class MovingStep:
         view = torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, shape, stride)
         if self.on_plan:  # the plan's release lets go of it
             s.view, s.view_key = view, key
-        elif s.host is not None:  # off the plan nothing releases: the view alone keeps the bytes
+        elif self._has_copy(s):  # off the plan nothing releases: the view alone keeps the bytes
             s.view = None
             if s.device is not s.original():
                 s.device = None
+                if self.tier is not None:
+                    self.tier.evicted(s)  # its host copy is the slot's only one now: keep it
             elif all(h is not s for _, h in self._held):  # the user's: let go once nothing else holds it
                 self._held.append((slot, s))
         return view
@@ -354,8 +356,11 @@ class MovingStep:
         return s.host is not None or (self.tier is not None and self.tier.holds(s))
 
     def _drop_host_copy(self, s: MoveSlot) -> None:
-        """The tier needs the room of a slot back on the device: its host copy goes."""
+        """The tier needs the room of a slot back on the device: its host copy goes (kept where
+        the slot let go of its device bytes since: then it is the only copy)."""
         assert self.tier is not None
+        if s.device is None:
+            return
         self.tier.forget(s)
         if s.host is not None:
             self.pool.release(s.host, s.h2d)
