@@ -269,9 +269,10 @@ class MovingStep:
                 self._copy_out(s, slot)
                 out = True
             elif code == H2D:
-                if s.device is None and self._has_copy(s):
+                if s.device is None and (s.host is not None or self._has_copy(s)):
                     self._page_in(s, slot)
-            elif s.device is not None and self._has_copy(s):  # a release: only with a host copy
+            elif s.device is not None and (s.host is not None or self._has_copy(s)):  # a release: only
+                # with a host copy (``_has_copy``: on disk, through the tier)
                 s.view = None
                 out = True
                 if self.tier is not None:
@@ -331,7 +332,8 @@ class MovingStep:
             s.host, after = got
         src = byte_view(storage)
         s.src = weakref.ref(src)
-        s.d2h = self.engine.copy_d2h(s.host[:s.nbytes], src, after, slot)
+        host = s.host if self.tier is None else s.host[:s.nbytes]  # the tier's slabs are whole
+        s.d2h = self.engine.copy_d2h(host, src, after, slot)
         if self._shared is not None and s.d2h is not None:
             self._shared(s.d2h)  # the user may write the storage meanwhile (a torn copy is never used)
         self.bytes_d2h += s.nbytes
@@ -343,7 +345,7 @@ class MovingStep:
         assert s.host is not None
         dst = torch.empty(s.nbytes, dtype=torch.uint8, device=self.device)
         after = s.d2h if s.d2h is not None and not self.engine.is_done(s.d2h) else None
-        s.h2d = self.engine.copy_h2d(dst, s.host[:s.nbytes], after, -1)
+        s.h2d = self.engine.copy_h2d(dst, s.host if tier is None else s.host[:s.nbytes], after, -1)
         s.device = storage = dst.untyped_storage()
         self._paged[id(storage)] = (slot, weakref.ref(storage))
         self.bytes_h2d += s.nbytes
