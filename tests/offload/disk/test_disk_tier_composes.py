@@ -22,7 +22,7 @@ from hyperpar.offload.capture.mode.dispatch_mode import current_offload_mode
 from hyperpar.offload.runtime import disk_store
 from hyperpar.offload.runtime.residency_manager import HostCopyCorruptedError, RestoreError
 from tests.offload.disk.disk_rank_bodies import ddp_with_disk_tier_matches_plain
-from tests.offload.disk.test_disk_tier_session import MIB, _files, _model, _x
+from tests.offload.disk.test_disk_tier_session import MIB, _files, _model, _said_past, _x
 from tests.rank_harness import run_ranks
 
 Loss = Callable[[nn.Module, int], torch.Tensor]  # (model, step) -> the step's loss
@@ -76,7 +76,8 @@ def _twin(plain: nn.Module, off: nn.Module, session: OffloadSession, loss_of: Lo
             p.grad = q.grad = None
         report = session.last_report
         assert report is not None
-        assert not host_held or report.peak_host_bytes <= (session.config.host_budget_bytes or 0), str(report)
+        assert (not host_held or report.peak_host_bytes <= (session.config.host_budget_bytes or 0)
+                or _said_past(session)), str(report)  # past it: a read no room could be made for, said
         yield report
 
 
@@ -141,8 +142,8 @@ def test_hugging_face_models_are_bitwise_through_the_disk_tier(
 
 @pytest.mark.usefixtures("steady_link")  # the rebuilt plan's fast steps move bytes through the tier
 def test_recompute_layers_beside_the_disk_tier_is_bitwise(tmp_path: Path) -> None:
-    """Host 0.2 of the peak (at 0.1 under chaos copy timing a page-in may be read past the host
-    budget, which the HF test covers)."""
+    """Host 0.1 of the peak: the rebuilt plan's host copies exceed it, so copies go to disk
+    beside the rebuilt layers (at 0.2 they fit it, and nothing is written)."""
     from tests.offload.test_recompute import Net
 
     rows = torch.randn(256, 64, generator=torch.Generator().manual_seed(0))
@@ -150,7 +151,7 @@ def test_recompute_layers_beside_the_disk_tier_is_bitwise(tmp_path: Path) -> Non
     def loss_of(model: nn.Module, step: int) -> torch.Tensor:
         return model(rows)
 
-    session = _tiered(tmp_path, _peak(lambda: Net(64), loss_of, recompute="off"), device=0.3, host=0.2,
+    session = _tiered(tmp_path, _peak(lambda: Net(64), loss_of, recompute="off"), device=0.3, host=0.1,
                       recompute="layers")
     reports = _spilled(_twin(Net(64), Net(64), session, loss_of, range(6)))
     assert any(r.bytes_recomputed > 0 and r.bytes_to_disk > 0 for r in reports), "not both at once"

@@ -43,6 +43,12 @@ def _step(model: nn.Module, step: int, session: OffloadSession | None = None) ->
     return loss.detach()
 
 
+def _said_past(session: OffloadSession) -> bool:
+    """Whether the session's last step read a copy back past the host budget (and said so)."""
+    tier = session._manager.tier
+    return tier is not None and tier._said_past_budget
+
+
 def _twin_steps(plain: nn.Module, off: nn.Module, session: OffloadSession,
                 steps: Iterable[int]) -> Iterator[StepReport]:
     """Each step plain and under the session: losses and gradients bitwise, then its report."""
@@ -90,8 +96,10 @@ def test_gradients_stay_bitwise_and_the_host_budget_holds(tmp_path: Path, device
         assert (report.peak_resident_bytes <= report.budget_bytes * 1.02 + 64 * 1024
                 or report.offload_cap_hits > 0 or report.replay_path == "fallback"), str(report)
         # the host held no more than its budget: the pool's arenas, page-aligned so that direct
-        # I/O moves its slabs in place (the store makes no staging buffer)
-        assert report.peak_host_bytes <= (session.config.host_budget_bytes or 0), str(report)
+        # I/O moves its slabs in place (the store makes no staging buffer); past it only for a
+        # read no room could be made for (copies on their way out held it), which is said
+        assert report.peak_host_bytes <= (session.config.host_budget_bytes or 0) or _said_past(session), \
+            str(report)
         spilled += report.bytes_to_disk
         read += report.bytes_from_disk
         if device_share < 1.0:
@@ -215,7 +223,8 @@ def test_the_fast_path_runs_through_the_disk_tier(tmp_path: Path) -> None:
     plain, off = _model(), _model()
     fast_disk = 0
     for report in _twin_steps(plain, off, session, range(6)):
-        assert report.peak_host_bytes <= (session.config.host_budget_bytes or 0), str(report)
+        assert report.peak_host_bytes <= (session.config.host_budget_bytes or 0) or _said_past(session), \
+            str(report)
         if report.replay_path == "fast" and report.bytes_to_disk > 0 and report.bytes_from_disk > 0:
             fast_disk += 1
     assert fast_disk >= 3, "the fast path never moved bytes through the disk tier"
@@ -248,4 +257,29 @@ def test_the_chrome_trace_shows_the_disk_tiers_writes_and_reads(tmp_path: Path) 
             start, end = float(event["ts"]), float(event["ts"]) + float(event["dur"])
             assert 0 <= start <= end <= report.step_ms * 1e3 + 5e4
     assert doc["otherData"]["step"]["bytes_to_disk"] == report.bytes_to_disk
+    session.close()
+
+
+@pytest.mark.usefixtures("steady_link")  # the same plan in the probe and the tiered session
+def test_a_host_budget_the_plan_fits_in_writes_nothing_to_disk(tmp_path: Path) -> None:
+    """Writing ahead of need past half the budget keeps room ready; where the plan's host copies
+    fit the budget anyway, it would be disk I/O for nothing: the planned steps write none."""
+    from hyperpar.offload.planning.host_tier import host_peak
+
+    peak = _peak()
+    device_mb = 0.6 * peak / MIB
+    probe = OffloadSession(OffloadConfig(max_resident_activation_mb=device_mb))
+    model = _model()
+    for step in range(2):
+        _step(model, step, probe)
+        for p in model.parameters():
+            p.grad = None
+    assert probe.trace is not None and probe.schedule is not None
+    needed = host_peak(probe.trace, probe.schedule)
+    assert needed > 0
+    session = OffloadSession(OffloadConfig(max_resident_activation_mb=device_mb,
+                                           max_host_activation_mb=1.5 * needed / MIB, disk_dir=tmp_path))
+    reports = list(_twin_steps(_model(), _model(), session, range(5)))
+    assert all(r.bytes_d2h > 0 for r in reports[1:]), "the plan moves nothing: the test tests nothing"
+    assert [r.bytes_to_disk for r in reports[1:]] == [0] * 4, [r.bytes_to_disk for r in reports]
     session.close()

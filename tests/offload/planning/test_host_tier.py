@@ -61,12 +61,17 @@ def test_budget_of_two_spills_the_three_oldest_and_reads_them_on_demand() -> Non
     assert est.peak_host_bytes_budgeted == 2 * M and est.kept_on_device_bytes == 0
 
 
-def test_reads_ahead_bring_the_newest_back_before_the_device_asks() -> None:
-    est = host_tier(_four(), _offload_all(prefetch=True), 4 * M)
-    assert est.spilled_sids == (0, 1)  # past half of 4: at the third and fourth evictions
-    # 3 back in: 1 read (3 of 4 in use, READ_AT); 2 back in: 3's copy dropped, 0 read
-    assert est.bytes_from_disk == 2 * M and est.demand_reads == 0
-    assert est.peak_host_bytes_budgeted == 3 * M
+def test_reads_ahead_bring_copies_back_before_the_device_asks() -> None:
+    est = host_tier(_four(), _offload_all(prefetch=True), 3 * M)
+    # past half of 3 at each eviction from the second on, the copy needed last goes: 0, 1, 2
+    assert est.spilled_sids == (0, 1, 2)
+    assert est.bytes_from_disk == 3 * M and est.demand_reads == 0  # all read back ahead of need
+    assert est.peak_host_bytes_budgeted == 2 * M
+
+
+def test_a_budget_that_holds_the_plans_copies_writes_nothing_ahead() -> None:
+    est = host_tier(_four(), _offload_all(prefetch=True), 4 * M)  # the host peak exactly
+    assert est.peak_host_bytes == 4 * M and est.bytes_to_disk == 0 and est.spilled_sids == ()
 
 
 def test_a_budget_twice_the_peak_never_writes() -> None:
@@ -109,8 +114,8 @@ def test_a_schedule_of_another_trace() -> None:
 
 def test_the_files_high_water_mark() -> None:
     assert host_tier(_four(), _offload_all(prefetch=False), 2 * M).peak_disk_bytes == 3 * M
-    # with reads ahead: 0 and 1 on disk together, until 2 and 3 came back
-    assert host_tier(_four(), _offload_all(prefetch=True), 4 * M).peak_disk_bytes == 2 * M
+    # with reads ahead at 3: 0, 1 and 2 on disk together before backward reads any back
+    assert host_tier(_four(), _offload_all(prefetch=True), 3 * M).peak_disk_bytes == 3 * M
 
 
 def test_the_copy_the_plan_brings_back_last_is_written_first() -> None:

@@ -52,6 +52,7 @@ class Plan:
     fast_floor: BudgetFloor | None = None
     # storage id -> the op of its last copy back to the device: the disk tier's order (made once)
     copy_in: dict[int, int] | None = None
+    host_peak: int = 0  # the most host bytes its copies hold at once (``planning.host_tier.host_peak``)
     kept_bytes: int = 0  # retained after the step (parameter gradients, the loss, outputs)
     movable_peak_bytes: int = 0  # the peak of the rest, without offload
 

@@ -236,8 +236,12 @@ class OffloadSession(FastSteps, RecomputeSteps):
         plan = self._choose()
         if m.tier is not None:
             if plan is not None and plan.copy_in is None:
+                from hyperpar.offload.planning.host_tier import host_peak  # planning beside capture
+
                 plan.copy_in = last_copy_in(plan.packed_schedule)
-            m.tier.begin_step(None if plan is None else plan.copy_in)
+                plan.host_peak = host_peak(plan.trace, plan.schedule, self._pool.align)
+            m.tier.begin_step(None if plan is None else plan.copy_in,
+                              ahead=plan is None or plan.host_peak > m.tier.budget_bytes)
         self._came_from, self._running = self._prev, plan
         if plan is not None and self._fast_ok(plan):
             self._recompute_enter(None)
@@ -607,9 +611,15 @@ class OffloadSession(FastSteps, RecomputeSteps):
         tier = self._manager.tier
         host_budget = self.config.host_budget_bytes
         assert tier is not None and host_budget is not None
-        write = tier.bytes_to_disk / (tier.write_s * 1e9) if tier.write_s > 0 else DEFAULT_WRITE_GBPS
-        read = tier.bytes_from_disk / (tier.read_s * 1e9) if tier.read_s > 0 else DEFAULT_READ_GBPS
-        said = host_tier(trace, schedule, host_budget, write, read).warning(step_ms)
+        write = (tier.bytes_to_disk / (tier.write_s * 1e9) if tier.write_s > 0 and tier.bytes_to_disk
+                 else DEFAULT_WRITE_GBPS)
+        read = (tier.bytes_from_disk / (tier.read_s * 1e9) if tier.read_s > 0 and tier.bytes_from_disk
+                else DEFAULT_READ_GBPS)
+        try:
+            said = host_tier(trace, schedule, host_budget, write, read).warning(step_ms)
+        except Exception as exc:  # an estimate for a warning never fails a step
+            logger.debug("disk tier estimate failed: %s", exc)
+            return
         if said is not None:
             logger.warning("%s", said)
             self._said_disk_tier = True

@@ -12,7 +12,8 @@ marks are copied here (a test checks they still match ``runtime.disk_tier``):
   first), then by writing to disk the evicted copy the plan brings back last (its last
   COPY_H2D; never, first), as the runtime does on every step with a plan (``copy_in``);
 - after an eviction, once copies in use pass ``SPILL_AT`` of the budget, evicted copies are
-  written in that order until they are back under it;
+  written in that order until they are back under it, unless the plan's host copies fit the
+  budget (``host_peak``): then, as at runtime, only room that runs short is written for;
 - a COPY_H2D of a copy on disk reads it (a demand read); after every COPY_H2D the copies on
   disk the plan brings back first are read back while copies in use stay under ``READ_AT`` of
   the budget, dropping copies already back on the device (all but the one just brought in,
@@ -110,7 +111,7 @@ def host_tier(trace: ActivationTrace, schedule: ResidencySchedule, host_budget_b
     actions = [a for _, _, a in schedule.actions()]
     unbounded = _Tier(trace.storage_sizes, None, actions)
     unbounded.run()
-    tier = _Tier(trace.storage_sizes, host_budget_bytes, actions)
+    tier = _Tier(trace.storage_sizes, host_budget_bytes, actions, ahead=unbounded.peak > host_budget_bytes)
     tier.run()
     return HostTierEstimate(
         host_budget_bytes=host_budget_bytes,
@@ -130,10 +131,22 @@ def host_tier(trace: ActivationTrace, schedule: ResidencySchedule, host_budget_b
     )
 
 
+def host_peak(trace: ActivationTrace, schedule: ResidencySchedule, align: int = 1) -> int:
+    """The most host bytes ``schedule``'s copies hold at once without a host budget, each copy's
+    slab ``align``-rounded as the host pool carves it: a host budget at or above it needs no
+    disk (the runtime then writes nothing ahead of need)."""
+    sizes = {sid: -(-n // align) * align for sid, n in trace.storage_sizes.items()}
+    unbounded = _Tier(sizes, None, [a for _, _, a in schedule.actions()])
+    unbounded.run()
+    return unbounded.peak
+
+
 class _Tier:
     """The runtime tier's bookkeeping without slabs, threads or time (``budget`` None: no budget)."""
 
-    def __init__(self, sizes: dict[int, int], budget: int | None, actions: list[Any]) -> None:
+    def __init__(self, sizes: dict[int, int], budget: int | None, actions: list[Any],
+                 ahead: bool = True) -> None:
+        self.ahead = ahead  # writes ahead of need (off where the copies fit the budget, as at runtime)
         self.sizes, self.budget, self.actions = sizes, budget, actions
         self.held: dict[int, int] = {}  # copied, still on the device: not spillable
         self.host: OrderedDict[int, int] = OrderedDict()  # evicted, copy on host, oldest first
@@ -188,7 +201,7 @@ class _Tier:
                 self.kept_on_device += self.sizes.get(sid, 0)
             return
         self.host[sid] = size
-        if self.budget is not None and self.in_use > SPILL_AT * self.budget:
+        if self.ahead and self.budget is not None and self.in_use > SPILL_AT * self.budget:
             self.spill_until(int(SPILL_AT * self.budget))
 
     def copy_in(self, sid: int) -> None:

@@ -100,6 +100,7 @@ class DiskTier:
         self._on_disk: OrderedDict[Any, None] = OrderedDict()  # entries wholly on disk, oldest spill first
         self._failed: BaseException | None = None  # a write failed this step: spilling stopped
         self._said_past_budget = False  # a read past the host budget was said this step
+        self._ahead = True  # writes ahead of need (``begin_step``)
         self.copy_in: dict[int, int] | None = None  # the plan's order of copies back (``begin_step``)
         self.origin = time.perf_counter()  # the step's start, for ``spans``
         self.spans: list[CopySpan] = []  # the step's writes and reads, for the timeline
@@ -218,12 +219,15 @@ class DiskTier:
         rec.slab = None
         self._free_extent(rec)
 
-    def begin_step(self, copy_in: dict[int, int] | None = None) -> None:
+    def begin_step(self, copy_in: dict[int, int] | None = None, ahead: bool = True) -> None:
         """The step's counters from zero; a write failure is tried (and said) again. ``copy_in``:
         the plan's op of each storage's copy back to the device (``ir.packed_schedule.last_copy_in``),
         by which copies are spilled (the one needed last first) and read back (the one needed
-        first first); None (the first step, no plan yet): by age, oldest out, newest back."""
+        first first); None (the first step, no plan yet): by age, oldest out, newest back.
+        ``ahead``: write copies out ahead of need past ``SPILL_AT``; off where the plan's host
+        copies fit the budget (they are then written only if room runs short after all)."""
         self.copy_in = copy_in
+        self._ahead = ahead
         self.origin = time.perf_counter()
         self.spans = []
         self._failed = None
@@ -263,7 +267,7 @@ class DiskTier:
             pass
 
     def _spill_ahead(self) -> None:
-        if self.pool.in_use_bytes > SPILL_AT * self.budget_bytes:
+        if self._ahead and self.pool.in_use_bytes > SPILL_AT * self.budget_bytes:
             self._collect()
             self._spill_until(int(SPILL_AT * self.budget_bytes))
 
