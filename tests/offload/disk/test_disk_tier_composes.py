@@ -22,10 +22,9 @@ from hyperpar.offload.capture.mode.dispatch_mode import current_offload_mode
 from hyperpar.offload.runtime import disk_store
 from hyperpar.offload.runtime.residency_manager import HostCopyCorruptedError, RestoreError
 from tests.offload.disk.disk_rank_bodies import ddp_with_disk_tier_matches_plain
-from tests.offload.disk.test_disk_tier_session import MIB, _files, _model, _said_past, _x
+from tests.offload.disk.test_disk_tier_session import MIB, Loss, _files, _mlp_loss, _model, _run, _twin
+from tests.offload.test_equality_models import _HFCausalLM
 from tests.rank_harness import run_ranks
-
-Loss = Callable[[nn.Module, int], torch.Tensor]  # (model, step) -> the step's loss
 
 
 @pytest.fixture(autouse=True)
@@ -34,22 +33,6 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(1)  # bitwise comparisons: plain PyTorch on 2 threads is not deterministic
     yield
     torch.set_num_threads(threads)
-
-
-def _mlp_loss(model: nn.Module, step: int) -> torch.Tensor:
-    return model(_x(step)).square().mean()
-
-
-def _run(model: nn.Module, loss_of: Loss, step: int, session: OffloadSession | None) -> torch.Tensor:
-    torch.manual_seed(step)  # dropout: the same masks plain and in the session
-    if session is None:
-        loss = loss_of(model, step)
-        loss.backward()
-        return loss.detach()
-    with session:
-        loss = loss_of(model, step)
-        loss.backward()
-    return loss.detach()
 
 
 def _peak(build: Callable[[], nn.Module], loss_of: Loss, **config: Any) -> int:
@@ -64,23 +47,6 @@ def _tiered(tmp: Path, peak: int, device: float = 0.5, host: float = 0.2, **conf
                                         max_host_activation_mb=host * peak / MIB, disk_dir=tmp, **config))
 
 
-def _twin(plain: nn.Module, off: nn.Module, session: OffloadSession, loss_of: Loss,
-          steps: Iterable[int], host_held: bool = True) -> Iterator[StepReport]:
-    """Each step plainly and in the session: loss and every gradient bitwise, the host budget
-    held (``host_held``); then the step's report."""
-    for step in steps:
-        assert torch.equal(_run(plain, loss_of, step, None), _run(off, loss_of, step, session)), step
-        for (name, p), q in zip(plain.named_parameters(), off.parameters(), strict=True):
-            assert (p.grad is None) == (q.grad is None), (step, name)
-            assert p.grad is None or torch.equal(p.grad, q.grad), f"step {step}: {name}'s gradient differs"
-            p.grad = q.grad = None
-        report = session.last_report
-        assert report is not None
-        assert (not host_held or report.peak_host_bytes <= (session.config.host_budget_bytes or 0)
-                or _said_past(session)), str(report)  # past it: a read no room could be made for, said
-        yield report
-
-
 def _spilled(reports: Iterable[StepReport]) -> list[StepReport]:
     """Every report; fails unless some step wrote bytes to disk and read them back."""
     reports = list(reports)
@@ -90,15 +56,6 @@ def _spilled(reports: Iterable[StepReport]) -> list[StepReport]:
 
 
 # 1. Hugging Face families: a decoder (Llama) and an encoder-decoder (T5), random weights, offline
-
-class _HF(nn.Module):
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=ids, labels=ids).loss
-
 
 def _hf(kind: str) -> nn.Module:
     transformers = pytest.importorskip("transformers")
@@ -111,7 +68,7 @@ def _hf(kind: str) -> nn.Module:
         model = transformers.T5ForConditionalGeneration(transformers.T5Config(
             vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
             decoder_start_token_id=0, pad_token_id=0))  # dropout 0.1: seeded per step
-    return _HF(model.train())
+    return _HFCausalLM(model.train())
 
 
 def _ids(model: nn.Module, step: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -32,15 +32,27 @@ def _x(step: int) -> torch.Tensor:
     return torch.randn(256, 64, generator=torch.Generator().manual_seed(step))
 
 
-def _step(model: nn.Module, step: int, session: OffloadSession | None = None) -> torch.Tensor:
+Loss = Callable[[nn.Module, int], torch.Tensor]  # (model, step) -> the step's loss
+
+
+def _mlp_loss(model: nn.Module, step: int) -> torch.Tensor:
+    return model(_x(step)).square().mean()
+
+
+def _run(model: nn.Module, loss_of: Loss, step: int, session: OffloadSession | None) -> torch.Tensor:
+    torch.manual_seed(step)  # dropout: the same masks plain and in the session
     if session is None:
-        loss = model(_x(step)).square().mean()
+        loss = loss_of(model, step)
         loss.backward()
         return loss.detach()
     with session:
-        loss = model(_x(step)).square().mean()
+        loss = loss_of(model, step)
         loss.backward()
     return loss.detach()
+
+
+def _step(model: nn.Module, step: int, session: OffloadSession | None = None) -> torch.Tensor:
+    return _run(model, _mlp_loss, step, session)
 
 
 def _said_past(session: OffloadSession) -> bool:
@@ -49,16 +61,28 @@ def _said_past(session: OffloadSession) -> bool:
     return tier is not None and tier._said_past_budget
 
 
+def _twin(plain: nn.Module, off: nn.Module, session: OffloadSession, loss_of: Loss,
+          steps: Iterable[int], host_held: bool = True) -> Iterator[StepReport]:
+    """Each step plainly and in the session: loss and every gradient bitwise, the host budget
+    held (``host_held``; past it only for a read no room could be made for, which the tier
+    says); then the step's report."""
+    for step in steps:
+        assert torch.equal(_run(plain, loss_of, step, None), _run(off, loss_of, step, session)), step
+        for (name, p), q in zip(plain.named_parameters(), off.parameters(), strict=True):
+            assert (p.grad is None) == (q.grad is None), (step, name)
+            assert p.grad is None or torch.equal(p.grad, q.grad), f"step {step}: {name}'s gradient differs"
+            p.grad = q.grad = None
+        report = session.last_report
+        assert report is not None
+        assert (not host_held or report.peak_host_bytes <= (session.config.host_budget_bytes or 0)
+                or _said_past(session)), str(report)
+        yield report
+
+
 def _twin_steps(plain: nn.Module, off: nn.Module, session: OffloadSession,
                 steps: Iterable[int]) -> Iterator[StepReport]:
-    """Each step plain and under the session: losses and gradients bitwise, then its report."""
-    for step in steps:
-        assert torch.equal(_step(plain, step), _step(off, step, session)), f"step {step}: loss"
-        for p, q in zip(plain.parameters(), off.parameters(), strict=True):
-            assert torch.equal(p.grad, q.grad), f"step {step}: a gradient differs"
-            p.grad = q.grad = None
-        assert session.last_report is not None
-        yield session.last_report
+    """``_twin`` of the MLP's steps, the host budget left to the caller."""
+    return _twin(plain, off, session, _mlp_loss, steps, host_held=False)
 
 
 def _peak() -> int:
