@@ -17,6 +17,7 @@ from hyperpar.offload.capture.checked.replay_actions import ReplayActions
 from hyperpar.offload.capture.checked.replay_program import HAS_MOVED, HAS_PRE, HAS_WRITES
 from hyperpar.offload.capture.checked.replay_state import PlanRegion
 from hyperpar.offload.capture.mode.online_path import OpState
+from hyperpar.offload.capture.ops.activation_table import live_ids, read_ids
 from hyperpar.offload.ir import AccessKind
 
 Tensor = torch.Tensor
@@ -41,9 +42,7 @@ class ReplayRegions(ReplayActions):
             self._act(p, 2 * i)
         kinds: dict[int, AccessKind] = {}
         table = self.table
-        in_ids = set()
         for st in reads:
-            in_ids.add(id(st))
             sid = table.lookup(st)
             if sid is not None:
                 kinds.setdefault(sid, READ)
@@ -54,7 +53,7 @@ class ReplayRegions(ReplayActions):
             self._make_room(i, kinds)
         if self.timer is not None:
             self._opaque_marks.append(self.timer.mark())
-        region = PlanRegion(i, kinds, in_ids)
+        region = PlanRegion(i, kinds, read_ids(reads))
         self._replay_regions.append(region)
         return region
 
@@ -72,6 +71,7 @@ class ReplayRegions(ReplayActions):
             self.online_end_opaque(token, outputs)
             return
         region: PlanRegion = token
+        region.in_ids = live_ids(region.in_ids)  # a read that died inside may share an output's id
         if self._replay_regions and self._replay_regions[-1] is region:
             self._replay_regions.pop()
         i, p = region.index, self.program

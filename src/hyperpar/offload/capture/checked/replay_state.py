@@ -10,7 +10,7 @@ directly as when all of it was one class.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -55,7 +55,7 @@ class PlanRegion:
 
     __slots__ = ("in_ids", "index", "kinds")
 
-    def __init__(self, index: int, kinds: dict[int, AccessKind], in_ids: set[int]) -> None:
+    def __init__(self, index: int, kinds: dict[int, AccessKind], in_ids: Collection[int]) -> None:
         self.index, self.kinds, self.in_ids = index, kinds, in_ids
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from hyperpar.offload.capture.mode.online_path import OnlinePath, OpState
+from hyperpar.offload.capture.ops.activation_table import live_ids, read_ids
 from hyperpar.offload.capture.ops.op_args import tensor_inputs, written_tensors
 from hyperpar.offload.capture.ops.op_identity import COLLECTIVE, op_kind
 from hyperpar.offload.ir import AccessKind
@@ -107,21 +108,21 @@ class ExecutorBase(OnlinePath):
         if m.pending_free:
             m.reap()
         kinds: dict[int, AccessKind] = {}
-        in_ids: set[int] = set()
         for st in reads:
-            in_ids.add(id(st))
             sid = self.table.lookup(st)
             if sid is not None:
                 kinds.setdefault(sid, READ)
         self._bring_in(kinds)
         self.enforce_budget(kinds)
-        state = self._start(OpState(self.index, name, name, kinds, in_ids, (), False))
+        state = self._start(OpState(self.index, name, name, kinds, read_ids(reads), (), False))
         self.regions.append(state)
         return state
 
     def online_end_opaque(self, state: OpState, outputs: list[Tensor]) -> None:
         if state in self.regions:
             self.regions.remove(state)
+        if isinstance(state.in_ids, dict):  # a read that died inside may share an output's id
+            state.in_ids = live_ids(state.in_ids)
         self.online_end(state, list(outputs))
         self._last_exit = time.perf_counter()
 

@@ -44,7 +44,7 @@ class OpState:
                  "t0")
 
     def __init__(self, index: int, key: Any, name: str, kinds: dict[int, AccessKind],
-                 in_ids: set[int], in_sids: tuple[int, ...], pin: bool, in_bytes: int = 0) -> None:
+                 in_ids: Collection[int], in_sids: tuple[int, ...], pin: bool, in_bytes: int = 0) -> None:
         self.index, self.key, self.name, self.kinds = index, key, name, kinds
         self.in_ids, self.in_sids, self.pin, self.in_bytes = in_ids, in_sids, pin, in_bytes
         self.t0 = 0.0

@@ -126,3 +126,15 @@ class ActivationTable:
                 # no live object has this id any more
                 self.sid_of.pop(self.ids[sid], None)
                 self.ids[sid] = 0
+
+
+def read_ids(reads: list[torch.UntypedStorage]) -> dict[int, weakref.ref]:
+    """``id()`` of each storage a region reads, with a weak reference to it. A region's reads
+    can die inside it (backward frees its incoming gradients), and a storage made there may
+    then get a dead read's id: ``live_ids`` at the region's end keeps only the reads alive."""
+    return {id(st): weakref.ref(st) for st in reads}
+
+
+def live_ids(ids: dict[int, weakref.ref]) -> set[int]:
+    """The ids of ``read_ids`` whose storage is still alive (those are still that storage's)."""
+    return {key for key, ref in ids.items() if ref() is not None}
