@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     warmups = diverged = over = 0
     worst = 0.0
     paths: dict[str, int] = {}  # the random-length session's steps by replay path
+    sequence: list[str] = []  # each step's path, by its first letter (W, C, F, B: fallback)
     marks: dict[int, dict[str, float]] = {}
     for step, length in enumerate(tqdm(lengths, desc="steps", file=sys.stderr)):
         ids = torch.randint(0, 256, (2, length), generator=gen)
@@ -95,12 +96,14 @@ def main(argv: list[str] | None = None) -> int:
         warmups += report.phase == "warmup"
         path = report.replay_path or report.phase
         paths[path] = paths.get(path, 0) + 1
+        sequence.append("B" if path == "fallback" else path[0].upper())
         diverged += report.diverged_at is not None
         worst = max(worst, report.peak_resident_bytes / budget)
         over += report.peak_resident_bytes > budget * 1.05
         if step + 1 in (50, 150, args.steps):
             marks[step + 1] = {"held_mib": variable.held_bytes() / MIB,
                                "host_allocations": variable.host_allocations(), "max_rss_mib": _rss_mib()}
+    later = sequence[len(sequence) // 10:]  # after the first few lengths
     per_token = {k: v / tokens[k.split("_")[0]] * 1e6 for k, v in cpu.items()}  # CPU µs per token
     doc: dict[str, Any] = {
         "command": "python benchmarks/variable_lengths.py " + " ".join(argv or sys.argv[1:]),
@@ -110,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps, "lengths": "uniform 32..256, batch 2", "budget_bytes": budget,
         "warmups": warmups, "diverged_steps": diverged, "steps_over_1_05_budget": over,
         "max_peak_over_budget": worst, "replay_paths": paths,
+        "paths_by_step": "".join(sequence), "lengths_by_step": lengths,
+        "fast_after_first_tenth": later.count("F") / len(later),
         "plans": {str(k): len(s.sizes) for k, s in variable._structures.items()},
         "at_step": marks,
         "cpu_us_per_token": per_token,
@@ -120,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     write("variable_lengths", args.out, doc, started)
     print(json.dumps({k: doc[k] for k in ("warmups", "diverged_steps", "steps_over_1_05_budget",
-                                          "max_peak_over_budget", "replay_paths", "at_step",
+                                          "max_peak_over_budget", "replay_paths", "fast_after_first_tenth",
+                                          "at_step",
                                           "offload_over_plain",
                                           "variable_over_fixed_per_token_in_session")}, indent=1))
     print(f"wrote {args.out}")

@@ -1,7 +1,8 @@
 """Steps of several lengths on the fast path: a plan whose saved tensors cover a shorter
 step's (``covers``) runs it without the dispatch mode, bitwise and within the budget; a
 longer step than any plan learned falls back at its first saved tensor and, once checked,
-teaches its plan the longer length; whatever departs inside a covered step (aliasing, a
+teaches its plan the longer length; from that fallback on, steps start checked and pick
+their path at their first saved tensor; whatever departs inside a covered step (aliasing, a
 storage larger than the plan's) is still caught."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from hyperpar.offload import OffloadConfig, OffloadSession
+from hyperpar.offload.capture.checked.replay_state import SLACK_BYTES
 from hyperpar.offload.capture.fast.fast_moves import MovingStep
 from hyperpar.offload.capture.fast.fast_schedule import MoveSchedule
 from hyperpar.offload.capture.fast.saved_tensor_guard import covers
@@ -73,23 +75,48 @@ def test_a_longer_step_falls_back_once_then_teaches_its_plan() -> None:
     assert structure.departures == 0
 
 
-def test_after_learning_steps_that_missed_the_length_covered_lengths_stay_fast() -> None:
-    """Four checked 48 steps after a 64 fallback do not teach 64: at the next 64 fallback
-    the 48 steps stay fast (before, each such fallback made every length checked for four
-    steps, which random lengths paid at each of their longest few); the one after begins
-    learning steps again, and 64 is learned once a 64 step comes among them."""
+def test_after_a_longer_step_fell_back_each_step_picks_its_path_at_its_first_saved_tensor() -> None:
+    """After the first 64 fallback the structure's lengths vary: every step starts checked and
+    hands off to the fast path at its first saved tensor where a plan covers it. 48 steps stay
+    fast; a 64 step is checked, never a fallback again (its first plans the size, its second
+    teaches the saved tensors), and fast from then on. Before, the fallback made the next four
+    steps checked whatever their length, and each 64 step among passed ones fell back."""
     budget = _budget_at(64, 1.0)
     lengths = [48] * 8 + [64] + [48] * 5 + [64, 48, 48] + [64, 64, 64, 48, 64, 48]
     session, reports = _steps(_plain_body, budget, lengths)
     paths = [r.replay_path for r in reports]
     _settled(paths[:8])
-    assert paths[8:14] == ["fallback"] + ["checked"] * 4 + ["fast"], paths  # learning steps: no 64
-    assert paths[14:17] == ["fallback", "fast", "fast"], paths  # passed: 48 stays fast
-    assert reports[14].departed_at_saved == 0, reports[14]
-    assert paths[17:20] == ["fallback", "checked", "checked"], paths  # learning again: 64 planned, learned
-    assert paths[20:] == ["fast"] * 3, paths
+    assert paths[8] == "fallback" and reports[8].departed_at_saved == 0, paths
+    assert paths[9:14] == ["fast"] * 5, paths  # 48 covered: handed off at its first saved tensor
+    assert paths[14:17] == ["checked", "fast", "fast"], paths  # 64: its size planned, 48 fast
+    assert paths[17:] == ["checked"] + ["fast"] * 5, paths  # 64 learned: fast from here on
+    assert all(r.checked_prefix_ops == 0 for r in reports[:9]), reports  # (no hand-off before)
     structure = next(iter(session._structures.values()))
-    assert structure.departures == 0, structure
+    assert structure.varies and structure.departures == 0 and structure.to_learn == 0, structure
+
+
+def _after_a_prefix(x: torch.Tensor, ws: list[torch.Tensor], step: int) -> torch.Tensor:
+    """Ops that save nothing before the first saved tensor (the checked start runs them)."""
+    h = (x * 2 + 1).clamp(-3, 3)
+    h = h - h.mean(0)
+    return _plain_body(h, ws, step)
+
+
+def test_ops_before_the_first_saved_tensor_run_checked_then_the_step_goes_fast_bitwise() -> None:
+    """(On the sync engine: a plan that moves a storage before the first saved tensor keeps
+    its steps checked, and whether it does follows the storage deaths warmup recorded, which
+    the chaos engine moves by holding copies' sources longer; the next test covers that.)"""
+    budget = _budget(_after_a_prefix, 0.6)
+    lengths = [64] * 6 + [80] + [64, 48, 56, 64] + [80, 80, 72]
+    # bitwise; within the budget (an 80 step checked on the 64 plan: within replay's slack)
+    _, reports = _steps(_after_a_prefix, budget, lengths, grown_slack=SLACK_BYTES, copy_engine="sync")
+    paths = [r.replay_path for r in reports]
+    assert paths[6] == "fallback", paths
+    assert paths[7:11] == ["fast"] * 4, paths
+    assert all(r.checked_prefix_ops == 5 for r in reports[7:11]), [r.checked_prefix_ops for r in reports]
+    assert all(r.bytes_d2h > 0 for r in reports[7:11]), reports  # the handed-off steps move bytes
+    assert paths[11:] == ["checked", "checked", "fast"], paths
+    assert reports[-1].checked_prefix_ops == 5
 
 
 def test_a_covered_step_that_aliases_otherwise_departs() -> None:
@@ -169,3 +196,23 @@ def test_a_later_saved_tensor_smaller_than_the_plans_stays_fast_a_larger_one_dep
     assert paths[9:13] == ["fast"] * 4, paths  # 40 and 32 rows: fast on the 48 plan
     assert all(r.bytes_d2h > 0 for r in reports[9:13]), reports
     assert paths[13] == "fallback" and reports[13].departed_at_saved, reports[13]  # 56: over
+
+
+def test_a_deciding_step_whose_checked_start_moved_bytes_stays_checked() -> None:
+    """The fast path cannot follow what the checked start moved: no hand-off after a copy."""
+    budget = _budget_at(64, 1.0)
+    session, _ = _steps(_plain_body, budget, [64] * 4 + [80])  # the 80 step falls back: lengths vary
+    moved: list[str | None] = []
+
+    def body(x: torch.Tensor, ws: list[torch.Tensor], step: int) -> torch.Tensor:
+        session._manager.bytes_d2h += 1  # as if the plan had copied a storage out before this
+        return _plain_body(x, ws, step)
+
+    ws = _weights()
+    for step in range(2):
+        _run(session, body, ws, step, 64)
+        assert session.last_report is not None
+        moved.append(session.last_report.replay_path)
+        _run(session, _plain_body, ws, step, 64)
+        assert session.last_report is not None and session.last_report.replay_path == "fast"
+    assert moved == ["checked", "checked"], moved

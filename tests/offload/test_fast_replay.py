@@ -62,8 +62,11 @@ def _peak(body: Body, length: int = 64) -> int:
     return probe.last_report.peak_resident_bytes
 
 
-def _steps(body: Body, budget: int, lengths: list[int], **config: object) -> tuple[OffloadSession, list]:
-    """Each step in a session and plainly, bitwise compared; the session's reports."""
+def _steps(body: Body, budget: int, lengths: list[int], grown_slack: int = 0,
+           **config: object) -> tuple[OffloadSession, list]:
+    """Each step in a session and plainly, bitwise compared; the session's reports.
+    ``grown_slack``: bytes over the budget a checked step may hold (one larger than its plan
+    holds up to replay's slack before it evicts beyond the plan)."""
     torch.set_num_threads(1)
     plain_ws, ws = _weights(), _weights()
     session = OffloadSession(OffloadConfig(max_resident_activation_mb=budget / MIB, **config))  # type: ignore[arg-type]
@@ -73,7 +76,8 @@ def _steps(body: Body, budget: int, lengths: list[int], **config: object) -> tup
         report = session.last_report
         assert report is not None
         assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True)), report
-        assert report.peak_resident_bytes <= budget * 1.05, report
+        slack = grown_slack if report.replay_path == "checked" else 0
+        assert report.peak_resident_bytes <= max(budget * 1.05, budget + slack), report
         assert session.tracked_storages() == 0
         reports.append(report)
     return session, reports
@@ -103,10 +107,11 @@ def test_fast_replay_off_keeps_every_step_checked() -> None:
 
 def test_another_length_falls_back_and_keeps_the_budget() -> None:
     """Shape: a step at twice the plan's length departs at its first saved tensor and keeps
-    a budget it could not keep plainly (activations move off the device online)."""
+    a budget it could not keep plainly (activations move off the device online); the next
+    64 step starts checked and goes fast at its first saved tensor, which the plan covers."""
     budget = _peak(_plain_body)
     _, reports = _steps(_plain_body, budget, [64, 64, 64, 128, 64])
-    assert [r.replay_path for r in reports] == [None, "checked", "fast", "fallback", "checked"]
+    assert [r.replay_path for r in reports] == [None, "checked", "fast", "fallback", "fast"]
     grown = reports[3]
     assert grown.departed_at_saved == 0 and grown.bytes_d2h > 0, grown
     assert _peak(_plain_body, 128) > budget * 1.05  # plainly, this step would be over

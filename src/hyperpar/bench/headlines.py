@@ -104,6 +104,10 @@ def variable_lengths(doc: dict[str, Any]) -> list[Figure]:
                goal="1"),
         figure("max_peak_over_budget", doc["max_peak_over_budget"], "x",
                "same run: worst step peak / budget", page, goal="<= 1.05"),
+        *([figure("fast_after_first_tenth", doc["fast_after_first_tenth"], "share",
+                  "same run: steps on the fast path after the first tenth", page, better="higher",
+                  goal=">= 0.90")]
+          if "fast_after_first_tenth" in doc else []),
         figure("held_mib_last_step", last["held_mib"], "MiB",
                f"same run: host memory held by the pool at step {doc['steps']}", page),
         figure("random_over_fixed", doc["variable_over_fixed_per_token_in_session"], "x",

@@ -52,6 +52,9 @@ class FastSteps:
     _recompute_report: Any
     _want_spans: bool  # the next step records module calls: a checked replay
     _said_below_fast_floor: bool
+    _recompute: Any
+    _undo_enter: Any
+    _begin_tier: Any
 
     def _fast_ok(self, plan: Plan) -> bool:
         """Whether the step may take the fast path: a plan within the budget whose moves (if
@@ -115,18 +118,58 @@ class FastSteps:
         fast = self._fast
         if fast is None or threading.get_ident() != fast.thread:
             return None
-        plans = [p for p in self._structures[fast.plan.signature].sizes.values() if p.packs]
-        found = next((p for p in plans if p.packs[0] == first and self._fast_ok(p)), None)
+        found = self._covering_plan(self._structures[fast.plan.signature], first)
         if found is None:
-            covering = [p for p in plans if covers(p.packs[0], first) and self._fast_ok(p)]
-            if not covering:
-                fast.missed = first
-                return None
-            found = min(covering, key=lambda p: math.prod(p.packs[0][0]))
+            fast.missed = first
+            return None
         if found is not fast.plan:
             fast.plan, fast.moving = found, self._moving_for(found)
             self._running = found
         return found.packs, fast.moving
+
+    def _covering_plan(self, structure: Structure, first: Fingerprint) -> Plan | None:
+        """The structure's plan that may go fast for a step whose first saved tensor is
+        ``first``: the one of that size, else the smallest whose saved tensors cover it."""
+        plans = [p for p in structure.sizes.values() if p.packs]
+        found = next((p for p in plans if p.packs[0] == first and self._fast_ok(p)), None)
+        if found is None:
+            covering = [p for p in plans if covers(p.packs[0], first) and self._fast_ok(p)]
+            if covering:
+                found = min(covering, key=lambda p: math.prod(p.packs[0][0]))
+        return found
+
+    def _decides(self, plan: Plan | None) -> bool:
+        """Whether a step starts checked and picks its path at its first saved tensor: its
+        structure's lengths vary, and nothing the fast path cannot follow is on."""
+        return (plan is not None and self._structures[plan.signature].varies and self.config.fast_replay
+                and not self.config.verify and not self._want_spans and self._recompute is None)
+
+    def _hand_off(self, first: Fingerprint) -> SavedTensorGuard | None:
+        """A deciding step's first saved tensor (``_decides``), from the checked replay's guard:
+        where a plan covers it and the replay has moved nothing yet, the checked start is
+        undone and the fast path runs the step from here; else the step stays checked, and
+        teaches its plan this length."""
+        executor, running = self._executor, self._running
+        if (not isinstance(executor, ReplayExecutor) or running is None or executor.online
+                or executor.diverged_at is not None or torch._C._current_graph_task_id() != -1):
+            return None
+        m = self._manager
+        if m.entries or m.bytes_d2h or m.bytes_h2d:  # (none the plan moved before its first saved tensor)
+            return None
+        plan = self._covering_plan(self._structures[running.signature], first)
+        if plan is None:
+            return None
+        checked_ops = executor.index
+        executor.closed = True
+        executor.release_region_graphs()
+        self._undo_enter(executor, entered=True)
+        self._recompute_enter(None)
+        self._running = plan
+        self._begin_tier(plan)
+        self._start_fast(plan)
+        assert self._fast is not None
+        self._fast.checked_ops = checked_ops
+        return self._fast.guard
 
     def _exit_fast(self, fast: FastStep, clean: bool) -> None:
         """A fast step that needed no fallback: its report, and what the session learns."""
@@ -143,7 +186,8 @@ class FastSteps:
                             predicted_step_ms=plan.predicted_ms, replay_path="fast",
                             peak_host_bytes=self._manager.peak_host_bytes,
                             bytes_to_disk=self._manager.bytes_to_disk,
-                            bytes_from_disk=self._manager.bytes_from_disk)
+                            bytes_from_disk=self._manager.bytes_from_disk,
+                            checked_prefix_ops=fast.checked_ops)
         report.disk_write_ms, report.disk_read_ms = self._manager.disk_ms()
         held: frozenset[int] = frozenset()
         if moving is not None:
@@ -187,11 +231,15 @@ class FastSteps:
             # at its first saved tensor, nothing moved yet: a size no learned plan covers
             # (else the guard took it), longer than any learned; checked steps teach it. A
             # structure that keeps missing with nothing learned between stays checked: the
-            # checked replay follows any length, the fast path only ones a plan covers
-            self._learn_after_miss(structure, executor.missed)
-            structure.size_misses += 1
-            if structure.size_misses > MAX_SIZE_MISSES:
-                structure.departures = FAST_DEPARTURES
+            # checked replay follows any length, the fast path only ones a plan covers. Where
+            # the next steps can pick their path at their first saved tensor, they do that instead
+            if self.config.fast_replay and not self.config.verify and self._recompute is None:
+                structure.varies, structure.to_learn = True, 0
+            else:
+                self._learn_after_miss(structure, executor.missed)
+                structure.size_misses += 1
+                if structure.size_misses > MAX_SIZE_MISSES:
+                    structure.departures = FAST_DEPARTURES
         else:
             self._off_plan(plan, executor.held_sids)
         self._recompute_report(report)  # its calls were rebuilt whichever path ran them

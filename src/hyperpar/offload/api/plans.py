@@ -27,6 +27,7 @@ class FastStep:
     thread: int  # the step's thread (a departure elsewhere cannot switch it to the mode)
     moving: MovingStep | None = None  # the plan's moves at saved-tensor events (a plan that moves bytes)
     missed: Fingerprint | None = None  # the first saved tensor, where no plan covered it
+    checked_ops: int = 0  # ops the step ran checked before its first saved tensor chose this plan
 
 
 @dataclass(eq=False)
@@ -93,6 +94,9 @@ class Structure:
     missed: Fingerprint | None = None
     learn_skips: int = 0  # such fallbacks still to pass without learning steps (``learn_backoff``)
     learn_backoff: int = 0  # fallbacks passed after the last learning steps (0: they taught their length)
+    # its lengths vary: each step starts checked and goes fast at its first saved tensor where a
+    # plan covers that (``FastSteps._hand_off``), so a length no plan covers is checked, not a fallback
+    varies: bool = False
 
 
 def signature_of(packed: PackedTrace, keys: list[object]) -> int:

@@ -234,16 +234,10 @@ class OffloadSession(FastSteps, RecomputeSteps):
         self._pool.new_step()
         budget = self._budget_bytes
         plan = self._choose()
-        if m.tier is not None:
-            if plan is not None and plan.copy_in is None:
-                from hyperpar.offload.planning.host_tier import host_peak  # planning beside capture
-
-                plan.copy_in = last_copy_in(plan.packed_schedule)
-                plan.host_peak = host_peak(plan.trace, plan.schedule, self._pool.align)
-            m.tier.begin_step(None if plan is None else plan.copy_in,
-                              ahead=plan is None or plan.host_peak > m.tier.budget_bytes)
+        self._begin_tier(plan)
         self._came_from, self._running = self._prev, plan
-        if plan is not None and self._fast_ok(plan):
+        decides = self._decides(plan)  # (lengths vary: the first saved tensor picks the path)
+        if plan is not None and not decides and self._fast_ok(plan):
             self._recompute_enter(None)
             try:
                 self._start_fast(plan)
@@ -276,14 +270,28 @@ class OffloadSession(FastSteps, RecomputeSteps):
             mode.__enter__()
             entered = True
             if self.config.fast_replay:  # on every step (saved-tensor hooks change the ops autograd
-                self._packs = SavedTensorGuard(log=self._event_log(executor)).__enter__()  # runs: no
-                # ``detach`` per saved output)
+                self._packs = SavedTensorGuard(log=self._event_log(executor),  # runs: no ``detach``
+                                               hand_off=self._hand_off if decides else None).__enter__()
+                # per saved output)
         except BaseException:  # (an interrupt, say): no mode or hook left behind, the session usable
-            self._abort_enter(executor, entered)
+            self._undo_enter(executor, entered)
             raise
         if isinstance(executor, WarmupExecutor):
             gc_pause.hold()  # the trace is many small acyclic objects: collect after the step
         return self
+
+    def _begin_tier(self, plan: Plan | None) -> None:
+        """The disk tier's step, in ``plan``'s order of copies back (by age without a plan)."""
+        tier = self._manager.tier
+        if tier is None:
+            return
+        if plan is not None and plan.copy_in is None:
+            from hyperpar.offload.planning.host_tier import host_peak  # planning beside capture
+
+            plan.copy_in = last_copy_in(plan.packed_schedule)
+            plan.host_peak = host_peak(plan.trace, plan.schedule, self._pool.align)
+        tier.begin_step(None if plan is None else plan.copy_in,
+                        ahead=plan is None or plan.host_peak > tier.budget_bytes)
 
     def close(self) -> None:
         """Give back what the session holds between steps: host slabs, the disk tier's file
@@ -296,8 +304,9 @@ class OffloadSession(FastSteps, RecomputeSteps):
         if self._manager.tier is not None:
             self._manager.tier.close()
 
-    def _abort_enter(self, executor: ExecutorBase, entered: bool) -> None:
-        """Undo what a mode step's ``__enter__`` did before it failed."""
+    def _undo_enter(self, executor: ExecutorBase, entered: bool) -> None:
+        """Undo what a mode step's ``__enter__`` did: it failed, or the step goes fast from its
+        first saved tensor (``_hand_off``; the executor has moved nothing)."""
         packs, self._packs = self._packs, None
         try:
             if packs is not None:
@@ -352,6 +361,8 @@ class OffloadSession(FastSteps, RecomputeSteps):
         if packs is not None:
             packs.__exit__()
         executor, mode = self._executor, self._mode
+        if executor is None and fast is None:  # a hand-off to the fast path failed: nothing is left
+            return False
         assert executor is not None and mode is not None
         clean = exc_type is None
         mode.__exit__(None, None, None)

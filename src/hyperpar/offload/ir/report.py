@@ -44,6 +44,10 @@ class StepReport:
     # tensors before it included; its floor is unknown). None for warmup.
     replay_path: str | None = None
     departed_at_saved: int | None = None
+    # A fast step of a structure whose lengths vary: ops it ran on the checked replay before
+    # its first saved tensor picked the plan that covers its length (where none covers it,
+    # the step stays checked and that plan learns it)
+    checked_prefix_ops: int = 0
     # A fast step whose plan moves bytes: bytes it released that Python still held (so they
     # stayed on the device) when they no longer fit the budget or at the end of forward. The
     # session plans again with those storages kept, or checks that plan's steps from then on.

@@ -30,34 +30,42 @@ Tensor = torch.Tensor
 Fingerprint = tuple[Any, ...]
 # the first saved tensor's fingerprint -> another size's saved tensors and moves, or None
 OtherSize = Callable[[Fingerprint], "tuple[tuple[Fingerprint, ...], MovingStep | None] | None"]
+# a checked step's first saved tensor -> the fast step's guard that takes the step over, or None
+HandOff = Callable[[Fingerprint], "SavedTensorGuard | None"]
 
 
 class SavedTensorGuard:
     """``pack``/``unpack`` for ``torch.autograd.graph.saved_tensors_hooks``: records the
     fingerprints of a step's saved tensors (``expected=None``) or checks them."""
 
-    __slots__ = ("__weakref__", "_expected", "_next_slot", "_on_departure", "_other_size", "_slots",
-                 "count", "departed_at", "fingerprints", "lifted", "log", "moving", "saved_in_backward",
-                 "storages", "unpack", "why")
+    __slots__ = ("__weakref__", "_expected", "_hand_off", "_next_slot", "_on_departure", "_other_size",
+                 "_slots", "count", "departed_at", "fingerprints", "handed_to", "lifted", "log", "moving",
+                 "saved_in_backward", "storages", "unpack", "why")
 
     def __init__(self, expected: tuple[Fingerprint, ...] | None = None,
                  on_departure: Callable[[int, str], None] | None = None, *,
                  log: EventLog | None = None, moving: MovingStep | None = None,
-                 other_size: OtherSize | None = None) -> None:
+                 other_size: OtherSize | None = None, hand_off: HandOff | None = None) -> None:
         """``log``: record where each pack and unpack falls (a checked replay of a plan that
         moves bytes); ``moving``: run that plan's moves at those events (a fast step);
         ``other_size``: given the first saved tensor's fingerprint when it is not the plan's,
         the saved tensors and moves of the structure's plan for that size, if it has one (a
         step of another sequence length takes that plan's fast path: nothing has moved yet). A
         plan whose saved tensors *cover* the step's (``covers``: a shorter length) takes it
-        too; past the first, a saved tensor the plan's covers is no departure either."""
+        too; past the first, a saved tensor the plan's covers is no departure either.
+        ``hand_off`` (recording): given the first saved tensor's fingerprint, a fast step's
+        guard that takes the rest of the step over (its plan covers the step's length), or
+        None to go on recording; that guard packs the first saved tensor too."""
         self._expected = expected
+        self._hand_off = hand_off
+        self.handed_to: SavedTensorGuard | None = None
         self._on_departure = on_departure
         self._other_size = other_size
         self.log, self.moving = log, None
         self._follow(expected, moving)
         self.unpack: Callable[[Any], Tensor] = (self._fast_unpack if expected is not None
-                                                else self._logged_unpack if log is not None else _unpack)
+                                                else self._logged_unpack if log is not None or hand_off
+                                                else _unpack)
         # storage address -> its slot (first seen order) and the storage, weakly: a storage
         # that died may leave its address to a new one, which is another slot
         self._slots: dict[int, tuple[int, weakref.ref]] = {}
@@ -127,6 +135,9 @@ class SavedTensorGuard:
         fp = self.fingerprint(t)
         expected = self._expected
         if expected is None:  # recording (not the fast path): does backward save tensors?
+            if k == 0 and self._hand_off is not None and (fast := self._hand_off(fp)) is not None:
+                self.handed_to = fast  # (autograd unpacks this one tensor through this guard)
+                return fast.pack(t)
             if not self.saved_in_backward and _in_backward() != -1:
                 self.saved_in_backward = True
             self.fingerprints.append(fp)
@@ -177,7 +188,9 @@ class SavedTensorGuard:
         if self.departed_at is None:
             self._depart(self.count - 1, why)
 
-    def _logged_unpack(self, packed: tuple[Tensor, int, int]) -> Tensor:
+    def _logged_unpack(self, packed: tuple[Any, ...]) -> Tensor:
+        if self.handed_to is not None:  # the first saved tensor, packed by the fast step's guard
+            return self.handed_to._fast_unpack(packed)
         if self.log is not None:
             self.log.unpacked(packed[2])
         return _unpack(packed)
