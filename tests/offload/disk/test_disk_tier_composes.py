@@ -95,6 +95,33 @@ def test_hugging_face_models_are_bitwise_through_the_disk_tier(
     assert _files(tmp_path) == []
 
 
+_LENGTHS = [24] * 4 + [32] + [16, 24, 32, 20, 32, 28, 12, 32]
+
+
+def _ids_of_length(model: nn.Module, step: int) -> torch.Tensor:
+    return model(torch.randint(1, 128, (4, _LENGTHS[step]), generator=torch.Generator().manual_seed(step)))
+
+
+@pytest.mark.usefixtures("steady_link")  # which steps go fast: the same every run
+def test_lengths_that_vary_go_through_the_disk_tier_bitwise_and_fast(tmp_path: Path) -> None:
+    """A longer length falls back once; from then on each step hands off to the fast path at
+    its first saved tensor where a plan covers it (the tier's order of copies becomes that
+    plan's), or stays checked: bitwise, through the disk, no file left."""
+    session = _tiered(tmp_path, _peak(lambda: _hf("llama"), _ids_of_length), device=0.5, host=0.3)
+    reports = _spilled(_twin(_hf("llama"), _hf("llama"), session, _ids_of_length, range(len(_LENGTHS)),
+                             host_held=False))
+    paths = [r.replay_path for r in reports]
+    assert paths[4] == "fallback" and paths.count("fallback") == 1, paths
+    handed = [r for r in reports[5:] if r.replay_path == "fast"]  # each began checked
+    assert handed and any(r.bytes_to_disk > 0 and r.bytes_from_disk > 0 for r in handed), \
+        [(r.replay_path, r.bytes_to_disk, r.bytes_from_disk) for r in reports]
+    # (which later steps go fast follows the plans the tier's timing shapes; test_fast_lengths
+    # pins the sequence on the sync engine)
+    assert all(r.checked_prefix_ops == handed[0].checked_prefix_ops for r in handed), handed
+    session.close()
+    assert _files(tmp_path) == []
+
+
 # 2. recompute="layers": rebuilt blocks beside copies through the tier
 
 @pytest.mark.usefixtures("steady_link")  # the rebuilt plan's fast steps move bytes through the tier
