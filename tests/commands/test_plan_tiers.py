@@ -13,6 +13,7 @@ from hyperpar.models import GPT, GPTConfig, random_batch
 from hyperpar.offload import OffloadConfig, OffloadSession
 from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
 from hyperpar.offload.planning.host_tier import host_tier
+from hyperpar.offload.planning.simulate import SimResult
 
 MIB = 1 << 20
 
@@ -59,20 +60,24 @@ def test_the_table_matches_the_model(gpt_trace: Path, tmp_path: Path,
     """The printed figures are ``host_tier``'s on the plan the table shows."""
     assert main(["plan", str(gpt_trace), "--host-budget-mb", "4", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    schedule = _schedule_of(gpt_trace)
-    est = host_tier(ActivationTrace.load(gpt_trace), schedule, 4 * MIB)
+    schedule, sim = _schedule_of(gpt_trace)
+    est = host_tier(ActivationTrace.load(gpt_trace), schedule, 4 * MIB, timeline=sim)
     rows = _tier_rows(out)
     assert rows["disk"][3:5] == [f"{est.bytes_to_disk / MIB:.1f}", f"{est.bytes_from_disk / MIB:.1f}"]
     assert f"{est.io_ms:.2f} ms against {est.compute_ms:.2f} ms of compute" in out
+    assert est.disk_wait_ms is not None and est.step_with_disk_ms is not None
+    assert f"the step waits {est.disk_wait_ms:.2f} ms for the disk" in out, out
+    assert f"{est.step_with_disk_ms:.2f} ms against the plan's {sim.predicted_step_ms:.2f} ms" in out, out
     assert "writing at 2.49 GB/s" in out and "reading at 1.6 GB/s" in out  # the defaults
 
 
-def _schedule_of(path: Path) -> ResidencySchedule:
+def _schedule_of(path: Path) -> tuple[ResidencySchedule, SimResult]:
     from hyperpar.offload.planning.deficit_warnings import deficit_warnings_muted
     from hyperpar.offload.planning.sweep import plan_point
 
     with deficit_warnings_muted():
-        return plan_point(ActivationTrace.load(path), "timed")[1]
+        _, schedule, sim = plan_point(ActivationTrace.load(path), "timed")
+    return schedule, sim
 
 
 def test_without_the_flag_no_tiers(gpt_trace: Path, tmp_path: Path,
@@ -88,7 +93,8 @@ def test_json_carries_the_host_tier(gpt_trace: Path, capsys: pytest.CaptureFixtu
     tier = doc["host_tier"]
     assert tier["host_budget_bytes"] == 4 * MIB and tier["write_gbps"] == 2.49
     assert {"bytes_to_disk", "bytes_from_disk", "peak_host_bytes", "io_ms", "compute_ms",
-            "fits"} <= tier.keys()
+            "fits", "disk_wait_ms", "step_with_disk_ms"} <= tier.keys()
+    assert tier["disk_wait_ms"] is None and tier["step_with_disk_ms"] is None  # not on the projection
     assert tier["projected_step_ms"] == doc["offload_only_ms"]
     assert tier["fits_projected"] == (tier["io_ms"] <= doc["offload_only_ms"])
 

@@ -75,6 +75,10 @@ def print_tiers(est: HostTierEstimate, device_peak: int, device_budget: int) -> 
           f"reading at {est.read_gbps:g} GB/s = {est.io_ms:.2f} ms against {est.compute_ms:.2f} ms of "
           f"compute: {verdict}; {est.demand_reads} read(s) on demand; without a host budget the host "
           f"would hold {est.peak_host_bytes / MIB:.1f} MiB")
+    if est.step_with_disk_ms is not None and est.disk_wait_ms is not None:
+        print(f"  timed on the plan's op times: the step waits {est.disk_wait_ms:.2f} ms for the disk "
+              f"(a room still being written, a read not ended): {est.step_with_disk_ms:.2f} ms against "
+              f"the plan's {est.step_ms:.2f} ms")
     if est.kept_on_device_bytes:
         print(f"  {est.kept_on_device_bytes / MIB:.1f} MiB of copies found no host room: they stay on the "
               f"device, over its budget")
@@ -113,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
             at = with_budget(trace, doc["budget_bytes"])
             with deficit_warnings_muted():
                 _, schedule, _ = plan_point(at, args.planner)
+            # untimed: the op times here are the trace's, not the projected device's
+            # (disk_wait_ms null); the text table times the disk on the trace's own
             tier = host_tier(at, schedule, *tiers).as_dict()
             # compute_ms is the trace's own (measured where it was traced); on --device the I/O
             # must hide under the projected step instead
@@ -149,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"over budget by {schedule.deficit_bytes / MIB:.2f} MiB at op {schedule.deficit_op}")
     if tiers is not None:
         print()
-        print_tiers(host_tier(trace, schedule, *tiers), point.predicted_peak_bytes, trace.memory_limit_bytes)
+        print_tiers(host_tier(trace, schedule, *tiers, timeline=sim), point.predicted_peak_bytes,
+                    trace.memory_limit_bytes)
 
     out = Path(args.out)
     try:

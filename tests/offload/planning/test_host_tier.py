@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from hyperpar.offload.ir import ActivationTrace, ResidencyAction, ResidencySchedule
 from hyperpar.offload.ir import ResidencyActionType as Act
 from hyperpar.offload.planning import host_tier as model
-from hyperpar.offload.planning import verify
+from hyperpar.offload.planning import simulate, verify
 from hyperpar.offload.planning.host_tier import host_tier
 from hyperpar.offload.runtime import disk_tier
 from tests.offload.planning.trace_builders import make_trace
@@ -144,3 +146,42 @@ def test_the_warning_says_io_the_step_cannot_hide_and_copies_with_no_room() -> N
     tight = host_tier(_four(), _offload_all(prefetch=False), M // 2)
     said = tight.warning(step_ms=1e6)
     assert said is not None and "stay on the device" in said
+
+
+def _timed(prefetch: bool, budget: int, write: float, read: float) -> model.HostTierEstimate:
+    trace, schedule = _four(ms=1.0), _offload_all(prefetch)
+    return host_tier(trace, schedule, budget, write, read, timeline=simulate(trace, schedule))
+
+
+def test_timed_reads_on_demand_make_the_step_wait_for_each() -> None:
+    """1 GB/s both ways: M bytes take 1 ms. Writes of 0, 1, 2 start at ops 1-3's ends (2, 3, 4)
+    and end at 3, 4, 5; nothing is read ahead (a copy back is in flight); backward's reads of 2,
+    1 and 0 are on demand at ops 5, 6 and 7, each the step waits 1 ms for: 3 ms."""
+    est = _timed(False, 2 * M, 1.0, 1.0)
+    assert est.demand_reads == 3 and est.disk_wait_ms == pytest.approx(3.0)
+    assert est.step_ms == pytest.approx(8.0) and est.step_with_disk_ms == pytest.approx(11.0)
+    assert "the step waits 3.0 ms for the disk" in (est.warning(8.0) or "")
+    fast = _timed(False, 2 * M, 1000.0, 1000.0)  # the same I/O on a disk 1000x faster
+    assert fast.disk_wait_ms == pytest.approx(0.003) and fast.warning(8.0) is None
+    assert _timed(False, 8 * M, 1.0, 1.0).disk_wait_ms == 0.0  # the host holds every copy
+
+
+def test_timed_room_in_a_slab_still_being_written_waits_for_the_write() -> None:
+    """Forward ops of 10 ms, backward ops of 100 ms (its reads find their writes long done);
+    writes at 0.09 GB/s (11.1 ms a copy), reads 1000x faster. Op 1's end writes 0 (20 ->
+    31.1); op 2's copy out at 30 needs that slab: waits 1.1 ms, then writes 1 (to 42.2); op 3's
+    copy out (at 41.1) waits for it too, 1.1 ms more; the three reads on demand take 1 us each."""
+    ops = [(f"w{i}", 10.0) for i in range(4)] + [(f"r{3 - k}", 100.0) for k in range(4)]
+    trace, schedule = make_trace(ops, {i: M for i in range(4)}, budget=M), _offload_all(prefetch=False)
+    est = host_tier(trace, schedule, 2 * M, 0.09, 1000.0, timeline=simulate(trace, schedule))
+    assert est.disk_wait_ms == pytest.approx(2 * (M / 0.09e6 - 10.0) + 0.003)
+    untimed = host_tier(trace, schedule, 2 * M, 0.09, 1000.0)
+    assert untimed.disk_wait_ms is None and untimed.step_with_disk_ms is None
+    assert (untimed.spilled_sids, untimed.bytes_from_disk) == (est.spilled_sids, est.bytes_from_disk)
+
+
+def test_a_timeline_of_another_trace() -> None:
+    sim = simulate(_four(), _offload_all(prefetch=False))
+    short = dataclasses.replace(sim, op_start_ms=sim.op_start_ms[:3], op_end_ms=sim.op_end_ms[:3])
+    with pytest.raises(ValueError, match="timeline has 3 ops but the trace has 8"):
+        host_tier(_four(), _offload_all(prefetch=False), M, timeline=short)

@@ -603,7 +603,7 @@ class OffloadSession(FastSteps, RecomputeSteps):
             predicted = sim.predicted_step_ms
         packed_schedule = PackedSchedule(schedule)
         if self._manager.tier is not None and not self._said_disk_tier and not quiet:
-            self._say_disk_tier(trace, schedule, float(predicted))
+            self._say_disk_tier(trace, schedule, float(predicted), sim)
         resident = sim.resident_bytes  # the device's bytes, without the budget's reserve
         if arrays.reserve_bytes is not None:
             resident = (np.asarray(resident, dtype=np.int64) - arrays.reserve_bytes).tolist()
@@ -614,9 +614,11 @@ class OffloadSession(FastSteps, RecomputeSteps):
                      sum(trace.storage_sizes.values()), floor, kept_bytes=kept,
                      movable_peak_bytes=movable_peak)
 
-    def _say_disk_tier(self, trace: ActivationTrace, schedule: ResidencySchedule, step_ms: float) -> None:
+    def _say_disk_tier(self, trace: ActivationTrace, schedule: ResidencySchedule, step_ms: float,
+                       sim: SimResult) -> None:
         """Once per session: the disk tier's work on the first plan, at the disk's bandwidth the
-        tier measured so far (else the defaults), when the step cannot hide it."""
+        tier measured so far (else the defaults), timed on the plan's predicted op times
+        (``sim``), when the step would wait for it."""
         from hyperpar.offload.planning.host_tier import DEFAULT_READ_GBPS, DEFAULT_WRITE_GBPS, host_tier
 
         tier = self._manager.tier
@@ -627,7 +629,7 @@ class OffloadSession(FastSteps, RecomputeSteps):
         read = (tier.bytes_from_disk / (tier.read_s * 1e9) if tier.read_s > 0 and tier.bytes_from_disk
                 else DEFAULT_READ_GBPS)
         try:
-            said = host_tier(trace, schedule, host_budget, write, read).warning(step_ms)
+            said = host_tier(trace, schedule, host_budget, write, read, timeline=sim).warning(step_ms)
         except Exception as exc:  # an estimate for a warning never fails a step
             logger.debug("disk tier estimate failed: %s", exc)
             return

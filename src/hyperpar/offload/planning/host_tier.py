@@ -22,11 +22,16 @@ marks are copied here (a test checks they still match ``runtime.disk_tier``):
   storage whose copy was dropped while it was back on the device and that leaves again;
 - RELEASE_HOST, and the RELEASE_DEVICE after which a storage never comes back, free its copy.
 
-It ignores time: writes and reads finish at once (the runtime's I/O thread may lag, and a slab
-waits for its write), reads ahead are never taken back for room, slabs are not rounded up to
-the pool's alignment, a tail's copy that Python holds past its release is not counted, and the
-store's staging buffer is left out. ``fits`` says only that the I/O thread's work (writes then
-reads, one thread) is no longer than the step's compute: a necessary condition for hiding it.
+The room it finds ignores time: reads ahead are never taken back for room, slabs are not
+rounded up to the pool's alignment, a tail's copy that Python holds past its release is not
+counted, and the store's staging buffer is left out. ``fits`` says only that the I/O thread's
+work (writes then reads, one thread) is no longer than the step's compute: a necessary
+condition for hiding it. Given the plan's simulated op times (``timeline``), it also times the
+disk link as the runtime meets it: one I/O thread runs the writes and reads in the order the
+tier starts them, each at its bandwidth, a read no sooner than its copy's write ended; the
+step waits where the runtime's compute thread blocks (a copy out whose room is a write still
+running, a copy back whose read has not ended, a read on demand), and every later action
+starts that much later (``disk_wait_ms``).
 """
 
 from __future__ import annotations
@@ -37,10 +42,12 @@ from typing import Any
 
 from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
 from hyperpar.offload.ir import ResidencyActionType as Act
+from hyperpar.offload.planning.simulate import SimResult
 
 _NEVER = 1 << 62
 SPILL_AT = 0.5  # as runtime.disk_tier.SPILL_AT
 READ_AT = 0.75  # as runtime.disk_tier.READ_AT
+WAIT_SAID = 0.05  # timed waits for the disk over this share of the step are said
 # The raw O_DIRECT figures of benchmarks/results/disk_store.json (this repository's CI machine).
 DEFAULT_WRITE_GBPS = 2.49
 DEFAULT_READ_GBPS = 1.60
@@ -64,6 +71,9 @@ class HostTierEstimate:
     read_ms: float
     compute_ms: float  # the trace's op times summed: the step the I/O must hide under
     spilled_sids: tuple[int, ...] = field(default=(), repr=False)  # written to disk, in order
+    # given the plan's op times: how long the step waits for the disk (None: not timed)
+    disk_wait_ms: float | None = None
+    step_ms: float | None = None  # the plan's predicted step, without the disk's waits
 
     @property
     def io_ms(self) -> float:
@@ -74,12 +84,26 @@ class HostTierEstimate:
     def fits(self) -> bool:
         return self.io_ms <= self.compute_ms
 
+    @property
+    def step_with_disk_ms(self) -> float | None:
+        """The plan's predicted step plus its waits for the disk (timed estimates only)."""
+        if self.disk_wait_ms is None or self.step_ms is None:
+            return None
+        return self.step_ms + self.disk_wait_ms
+
     def warning(self, step_ms: float) -> str | None:
         """What a user of this host budget should hear before the steps, or None: I/O the step
-        cannot hide (``step_ms``: the plan's predicted step), or copies no room is left for."""
+        cannot hide (``step_ms``: the plan's predicted step; timed, waits of more than
+        ``WAIT_SAID`` of it), or copies no room is left for."""
         mib = 1 << 20
         said = []
-        if self.io_ms > step_ms and self.bytes_to_disk:
+        if self.disk_wait_ms is not None:
+            if self.disk_wait_ms > WAIT_SAID * step_ms:
+                said.append(f"the step waits {self.disk_wait_ms:.1f} ms for the disk tier's I/O "
+                            f"({self.bytes_to_disk / mib:.1f} MiB written at {self.write_gbps:.2f} GB/s, "
+                            f"{self.bytes_from_disk / mib:.1f} MiB read at {self.read_gbps:.2f} GB/s) on "
+                            f"top of its {step_ms:.1f} ms")
+        elif self.io_ms > step_ms and self.bytes_to_disk:
             said.append(f"the disk tier's I/O ({self.bytes_to_disk / mib:.1f} MiB written at "
                         f"{self.write_gbps:.2f} GB/s and {self.bytes_from_disk / mib:.1f} MiB read at "
                         f"{self.read_gbps:.2f} GB/s: {self.io_ms:.1f} ms a step) is longer than the step "
@@ -96,23 +120,32 @@ class HostTierEstimate:
     def as_dict(self) -> dict[str, Any]:
         doc = asdict(self)
         del doc["spilled_sids"]  # one per spill: long on a real step
-        return {**doc, "io_ms": self.io_ms, "fits": self.fits}
+        return {**doc, "io_ms": self.io_ms, "fits": self.fits, "step_with_disk_ms": self.step_with_disk_ms}
 
 
 def host_tier(trace: ActivationTrace, schedule: ResidencySchedule, host_budget_bytes: int,
               write_gbps: float = DEFAULT_WRITE_GBPS,
-              read_gbps: float = DEFAULT_READ_GBPS) -> HostTierEstimate:
-    """Estimate the disk tier's work for ``schedule`` on ``trace`` with ``host_budget_bytes`` of host."""
+              read_gbps: float = DEFAULT_READ_GBPS, timeline: SimResult | None = None) -> HostTierEstimate:
+    """Estimate the disk tier's work for ``schedule`` on ``trace`` with ``host_budget_bytes`` of
+    host; ``timeline``: the schedule's simulation (``planning.simulate``), to time the disk link."""
     if schedule.num_ops != trace.num_ops:
         raise ValueError(f"schedule has {schedule.num_ops} ops but the trace has {trace.num_ops}")
     if host_budget_bytes < 0 or write_gbps <= 0 or read_gbps <= 0:
         raise ValueError(f"need host_budget_bytes >= 0 and bandwidths > 0, got {host_budget_bytes}, "
                          f"{write_gbps}, {read_gbps}")
-    actions = [a for _, _, a in schedule.actions()]
+    listed = schedule.actions()
+    actions = [a for _, _, a in listed]
     unbounded = _Tier(trace.storage_sizes, None, actions)
     unbounded.run()
     tier = _Tier(trace.storage_sizes, host_budget_bytes, actions, ahead=unbounded.peak > host_budget_bytes)
+    if timeline is not None:
+        if len(timeline.op_start_ms) != trace.num_ops:
+            raise ValueError(f"timeline has {len(timeline.op_start_ms)} ops but the trace has "
+                             f"{trace.num_ops}")
+        tier.clock = _DiskClock([timeline.op_start_ms[op] if where == "pre" else timeline.op_end_ms[op]
+                                 for op, where, _ in listed], write_gbps, read_gbps)
     tier.run()
+    clock = tier.clock
     return HostTierEstimate(
         host_budget_bytes=host_budget_bytes,
         peak_host_bytes=unbounded.peak,
@@ -128,6 +161,8 @@ def host_tier(trace: ActivationTrace, schedule: ResidencySchedule, host_budget_b
         read_ms=tier.from_disk / (read_gbps * 1e6),
         compute_ms=sum(op.duration_ms for op in trace.ops),
         spilled_sids=tuple(tier.spilled),
+        disk_wait_ms=None if clock is None else clock.waited,
+        step_ms=None if timeline is None else timeline.predicted_step_ms,
     )
 
 
@@ -141,8 +176,54 @@ def host_peak(trace: ActivationTrace, schedule: ResidencySchedule, align: int = 
     return unbounded.peak
 
 
+class _DiskClock:
+    """The tier's one I/O thread in time: ``issued[i]`` is when action ``i`` runs on the plan's
+    timeline, pushed later by what the step has waited so far."""
+
+    def __init__(self, issued: list[float], write_gbps: float, read_gbps: float) -> None:
+        self.issued = issued
+        self.write_ms_per_byte, self.read_ms_per_byte = 1 / (write_gbps * 1e6), 1 / (read_gbps * 1e6)
+        self.now = self.waited = self.free = 0.0
+        self.written: dict[int, float] = {}  # sid -> when its write ends
+        self.read: dict[int, float] = {}  # sid -> when its read ends
+        self.writing: list[tuple[float, int]] = []  # (end, bytes) of writes whose slab is not free yet
+
+    def at(self, i: int) -> None:
+        self.now = self.issued[i] + self.waited
+
+    def write(self, sid: int, size: int) -> float:
+        begin = max(self.now, self.free)
+        self.free = self.written[sid] = begin + size * self.write_ms_per_byte
+        self.writing.append((self.free, size))
+        return self.free
+
+    def room(self, free_bytes: int) -> None:
+        """A slab of what the count calls free (``free_bytes``) is taken: slabs still being
+        written are not free until their writes end (the oldest end first)."""
+        writing = [w for w in self.writing if w[0] > self.now]
+        short = sum(size for _, size in writing) - free_bytes
+        for end, size in writing:  # (in the order they were started: ends ascending)
+            if short <= 0:
+                break
+            self.wait_until(end)
+            short -= size
+        self.writing = [w for w in writing if w[0] > self.now]
+
+    def start_read(self, sid: int, size: int) -> float:
+        begin = max(self.now, self.free, self.written.get(sid, 0.0))
+        self.free = self.read[sid] = begin + size * self.read_ms_per_byte
+        return self.free
+
+    def wait_until(self, t: float) -> None:
+        """The compute thread blocks until ``t``."""
+        if t > self.now:
+            self.waited += t - self.now
+            self.now = t
+
+
 class _Tier:
-    """The runtime tier's bookkeeping without slabs, threads or time (``budget`` None: no budget)."""
+    """The runtime tier's bookkeeping without slabs or threads (``budget`` None: no budget);
+    timed where a ``clock`` is set."""
 
     def __init__(self, sizes: dict[int, int], budget: int | None, actions: list[Any],
                  ahead: bool = True) -> None:
@@ -159,9 +240,13 @@ class _Tier:
         self.spilled: list[int] = []
         last_h2d = {a.storage_id: i for i, a in enumerate(actions) if a.kind is Act.COPY_H2D}
         self.last_h2d = last_h2d
+        self.clock: _DiskClock | None = None
 
     def run(self) -> None:
+        clock = self.clock
         for i, action in enumerate(self.actions):
+            if clock is not None:
+                clock.at(i)
             sid, kind = action.storage_id, action.kind
             if kind is Act.COPY_D2H:
                 self.copy_out(sid)
@@ -212,6 +297,8 @@ class _Tier:
         elif sid in self.reading:
             size = self.reading.pop(sid)
             self.on_disk_bytes -= size  # its extent is freed once the copy is back on host
+            if self.clock is not None:  # the copy back waits for the read to end
+                self.clock.wait_until(self.clock.read.get(sid, 0.0))
         elif sid in self.on_disk:
             size = self.on_disk.pop(sid)
             self.on_disk_bytes -= size
@@ -219,6 +306,8 @@ class _Tier:
             self.take(size)
             self.from_disk += size
             self.demand_reads += 1
+            if self.clock is not None:
+                self.clock.wait_until(self.clock.start_read(sid, size))
         else:
             return
         self.returned[sid] = size
@@ -248,9 +337,13 @@ class _Tier:
         while self.in_use > target and self.returned:
             self.in_use -= self.returned.popitem(last=False)[1]
         self.spill_until(target)
+        if self.clock is not None and self.in_use <= target:  # room in slabs still being written waits
+            self.clock.room(target - self.in_use)
         return self.in_use <= target
 
     def spill_until(self, target: int) -> None:
+        """Write evicted copies (the one the plan brings back last first) until in use is down
+        to ``target``."""
         while self.in_use > target and self.host:
             sid = max(self.host, key=self._comes_back)  # the one the plan brings back last
             size = self.host.pop(sid)
@@ -260,6 +353,8 @@ class _Tier:
             self.spilled.append(sid)
             self.on_disk_bytes += size
             self.disk_peak = max(self.disk_peak, self.on_disk_bytes)
+            if self.clock is not None:
+                self.clock.write(sid, size)
 
     def read_ahead(self, in_flight: int) -> None:
         """Read the newest spilled copies back while in use stays under ``READ_AT`` of the budget."""
@@ -276,6 +371,8 @@ class _Tier:
             self.reading[sid] = size
             self.take(size)
             self.from_disk += size
+            if self.clock is not None:
+                self.clock.start_read(sid, size)
 
     def _comes_back(self, sid: int) -> int:
         """When the plan copies ``sid`` back to the device (its last COPY_H2D), or never."""
