@@ -125,6 +125,8 @@ def measure(args: argparse.Namespace, directory: str) -> dict[str, Any]:
     ratios = {name: [w / p for w, p in zip(r.wall_ms, runs["plain"].wall_ms, strict=True)]
               for name, r in runs.items() if name != "plain"}
     disk_over_host = [d / h for d, h in zip(runs["disk"].wall_ms, runs["host_only"].wall_ms, strict=True)]
+    extra_ms = [d - h for d, h in zip(runs["disk"].wall_ms, runs["host_only"].wall_ms, strict=True)]
+    timed = _timed_estimate(disk, host_mb, to_disk, from_disk, write_ms, read_ms)
     disk.close()
     rss = {name: _in_fresh_process(args, device_mb, host_mb if name == "disk" else None, directory)
            for name in ("host_only", "disk")}
@@ -151,7 +153,25 @@ def measure(args: argparse.Namespace, directory: str) -> dict[str, Any]:
                "write_over_raw": write_gbps / raw_w if raw_w else 0.0,
                "read_over_raw": read_gbps / raw_r if raw_r else 0.0},
         "rss_steps": args.rss_steps, "host_memory": rss,
+        # the estimate timed on the disk run's last plan at the bandwidths its tier reached, against
+        # the wall time the disk run took over host-only, step by step (steady steps' median)
+        "timed_estimate": {**timed, "measured_extra_ms": _steady(extra_ms, args.settle)},
     }
+
+
+def _timed_estimate(session: OffloadSession, host_mb: float, to_disk: int, from_disk: int,
+                    write_ms: float, read_ms: float) -> dict[str, Any]:
+    from hyperpar.offload.planning import simulate
+    from hyperpar.offload.planning.host_tier import host_tier
+
+    plan = session._current
+    assert plan is not None
+    trace, schedule = plan.trace, plan.schedule
+    write = to_disk / (write_ms * 1e6) if write_ms else 1.0
+    read = from_disk / (read_ms * 1e6) if read_ms else 1.0
+    est = host_tier(trace, schedule, int(host_mb * MIB), write, read, timeline=simulate(trace, schedule))
+    return {"disk_wait_ms": est.disk_wait_ms, "plan_step_ms": est.step_ms, "write_gbps": write,
+            "read_gbps": read, "bytes_to_disk": est.bytes_to_disk, "bytes_from_disk": est.bytes_from_disk}
 
 
 def _rss_steps(size: str, batch_size: int, device_mb: float, host_mb: float | None, directory: str,
