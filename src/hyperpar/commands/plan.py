@@ -77,8 +77,9 @@ def print_tiers(est: HostTierEstimate, device_peak: int, device_budget: int) -> 
           f"would hold {est.peak_host_bytes / MIB:.1f} MiB")
     if est.step_with_disk_ms is not None and est.disk_wait_ms is not None:
         print(f"  timed on the plan's op times: the step waits {est.disk_wait_ms:.2f} ms for the disk "
-              f"(a room still being written, a read not ended): {est.step_with_disk_ms:.2f} ms against "
-              f"the plan's {est.step_ms:.2f} ms")
+              f"({est.disk_wait_room_ms:.2f} for room in slabs still being written, "
+              f"{est.disk_wait_read_ahead_ms:.2f} for reads ahead, {est.disk_wait_on_demand_ms:.2f} for "
+              f"reads on demand): {est.step_with_disk_ms:.2f} ms against the plan's {est.step_ms:.2f} ms")
     if est.kept_on_device_bytes:
         print(f"  {est.kept_on_device_bytes / MIB:.1f} MiB of copies found no host room: they stay on the "
               f"device, over its budget")

@@ -159,6 +159,7 @@ def test_timed_reads_on_demand_make_the_step_wait_for_each() -> None:
     1 and 0 are on demand at ops 5, 6 and 7, each the step waits 1 ms for: 3 ms."""
     est = _timed(False, 2 * M, 1.0, 1.0)
     assert est.demand_reads == 3 and est.disk_wait_ms == pytest.approx(3.0)
+    assert est.disk_wait_on_demand_ms == pytest.approx(3.0) and est.disk_wait_room_ms == 0.0
     assert est.step_ms == pytest.approx(8.0) and est.step_with_disk_ms == pytest.approx(11.0)
     assert "the step waits 3.0 ms for the disk" in (est.warning(8.0) or "")
     fast = _timed(False, 2 * M, 1000.0, 1000.0)  # the same I/O on a disk 1000x faster
@@ -175,6 +176,8 @@ def test_timed_room_in_a_slab_still_being_written_waits_for_the_write() -> None:
     trace, schedule = make_trace(ops, {i: M for i in range(4)}, budget=M), _offload_all(prefetch=False)
     est = host_tier(trace, schedule, 2 * M, 0.09, 1000.0, timeline=simulate(trace, schedule))
     assert est.disk_wait_ms == pytest.approx(2 * (M / 0.09e6 - 10.0) + 0.003)
+    assert est.disk_wait_room_ms == pytest.approx(2 * (M / 0.09e6 - 10.0))
+    assert est.disk_wait_on_demand_ms == pytest.approx(0.003) and est.disk_wait_read_ahead_ms == 0.0
     untimed = host_tier(trace, schedule, 2 * M, 0.09, 1000.0)
     assert untimed.disk_wait_ms is None and untimed.step_with_disk_ms is None
     assert (untimed.spilled_sids, untimed.bytes_from_disk) == (est.spilled_sids, est.bytes_from_disk)

@@ -71,8 +71,12 @@ class HostTierEstimate:
     read_ms: float
     compute_ms: float  # the trace's op times summed: the step the I/O must hide under
     spilled_sids: tuple[int, ...] = field(default=(), repr=False)  # written to disk, in order
-    # given the plan's op times: how long the step waits for the disk (None: not timed)
+    # given the plan's op times: how long the step waits for the disk (None: not timed), and
+    # for what: room in slabs still being written, reads ahead not ended, reads on demand
     disk_wait_ms: float | None = None
+    disk_wait_room_ms: float | None = None
+    disk_wait_read_ahead_ms: float | None = None
+    disk_wait_on_demand_ms: float | None = None
     step_ms: float | None = None  # the plan's predicted step, without the disk's waits
 
     @property
@@ -162,6 +166,9 @@ def host_tier(trace: ActivationTrace, schedule: ResidencySchedule, host_budget_b
         compute_ms=sum(op.duration_ms for op in trace.ops),
         spilled_sids=tuple(tier.spilled),
         disk_wait_ms=None if clock is None else clock.waited,
+        disk_wait_room_ms=None if clock is None else clock.by_cause["room"],
+        disk_wait_read_ahead_ms=None if clock is None else clock.by_cause["read_ahead"],
+        disk_wait_on_demand_ms=None if clock is None else clock.by_cause["on_demand"],
         step_ms=None if timeline is None else timeline.predicted_step_ms,
     )
 
@@ -187,6 +194,7 @@ class _DiskClock:
         self.written: dict[int, float] = {}  # sid -> when its write ends
         self.read: dict[int, float] = {}  # sid -> when its read ends
         self.writing: list[tuple[float, int]] = []  # (end, bytes) of writes whose slab is not free yet
+        self.by_cause = {"room": 0.0, "read_ahead": 0.0, "on_demand": 0.0}
 
     def at(self, i: int) -> None:
         self.now = self.issued[i] + self.waited
@@ -205,7 +213,7 @@ class _DiskClock:
         for end, size in writing:  # (in the order they were started: ends ascending)
             if short <= 0:
                 break
-            self.wait_until(end)
+            self.wait_until(end, "room")
             short -= size
         self.writing = [w for w in writing if w[0] > self.now]
 
@@ -214,10 +222,11 @@ class _DiskClock:
         self.free = self.read[sid] = begin + size * self.read_ms_per_byte
         return self.free
 
-    def wait_until(self, t: float) -> None:
-        """The compute thread blocks until ``t``."""
+    def wait_until(self, t: float, cause: str) -> None:
+        """The compute thread blocks until ``t`` (for ``cause``, a key of ``by_cause``)."""
         if t > self.now:
             self.waited += t - self.now
+            self.by_cause[cause] += t - self.now
             self.now = t
 
 
@@ -298,7 +307,7 @@ class _Tier:
             size = self.reading.pop(sid)
             self.on_disk_bytes -= size  # its extent is freed once the copy is back on host
             if self.clock is not None:  # the copy back waits for the read to end
-                self.clock.wait_until(self.clock.read.get(sid, 0.0))
+                self.clock.wait_until(self.clock.read.get(sid, 0.0), "read_ahead")
         elif sid in self.on_disk:
             size = self.on_disk.pop(sid)
             self.on_disk_bytes -= size
@@ -307,7 +316,7 @@ class _Tier:
             self.from_disk += size
             self.demand_reads += 1
             if self.clock is not None:
-                self.clock.wait_until(self.clock.start_read(sid, size))
+                self.clock.wait_until(self.clock.start_read(sid, size), "on_demand")
         else:
             return
         self.returned[sid] = size
