@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hyperpar.offload import OffloadConfig, OffloadSession
-from tests.step_context import step_context
+from hyperpar.offload import OffloadConfig, OffloadSession, StepReport
+from tests.offload.ddp_training import train
 
 MIB = 1 << 20
 WIDTH = 64
@@ -32,22 +32,13 @@ def _rows(rank: int, step: int) -> int:
 
 
 def _train(rank: int, session: OffloadSession | None, steps: int
-           ) -> tuple[list[list[torch.Tensor]], list[Any]]:
+           ) -> tuple[list[list[torch.Tensor]], list[StepReport]]:
     torch.set_num_threads(1)
-    model = _ddp()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    results, reports = [], []
-    for step in range(steps):
-        x = torch.randn(_rows(rank, step), WIDTH, generator=torch.Generator().manual_seed(100 * step + rank))
-        with step_context(session):
-            loss = model(x).square().mean()
-            loss.backward()
-        results.append([loss.detach().clone()] + [p.grad.detach().clone() for p in model.parameters()])
-        if session is not None:
-            assert session.last_report is not None
-            reports.append(session.last_report)
-        optimizer.step()
-        optimizer.zero_grad()
+    reports: list[StepReport] = []
+    results = train(_ddp(), session, steps,
+                    lambda step: torch.randn(_rows(rank, step), WIDTH,
+                                             generator=torch.Generator().manual_seed(100 * step + rank)),
+                    reports.append)
     return results, reports
 
 

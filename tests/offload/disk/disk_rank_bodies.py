@@ -9,10 +9,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from hyperpar.offload import OffloadConfig, OffloadSession
+from hyperpar.offload import OffloadConfig, OffloadSession, StepReport
 from hyperpar.offload.runtime.disk_store import FILE_PREFIX
+from tests.offload.ddp_training import train
 from tests.offload.disk.test_disk_tier_session import _said_past
-from tests.step_context import step_context
 
 MIB = 1 << 20
 WIDTH = 64
@@ -31,23 +31,19 @@ def _train(rank: int, session: OffloadSession | None, steps: int
            ) -> tuple[list[list[torch.Tensor]], list[int]]:
     """SGD steps on this rank's batches: per step the loss and every gradient, and (in a
     session) the bytes each step wrote to disk."""
-    model = _ddp()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    results, to_disk = [], []
-    for step in range(steps):
-        x = torch.randn(256, WIDTH, generator=torch.Generator().manual_seed(100 * step + rank))
-        with step_context(session):
-            loss = model(x).square().mean()
-            loss.backward()
-        results.append([loss.detach().clone()] + [p.grad.detach().clone() for p in model.parameters()])
-        if session is not None:
-            assert session.last_report is not None
-            to_disk.append(session.last_report.bytes_to_disk)
-            # past the host budget only for a read no room could be made for, which the tier says
-            assert (session.last_report.peak_host_bytes <= (session.config.host_budget_bytes or 0)
-                    or _said_past(session)), str(session.last_report)
-        optimizer.step()
-        optimizer.zero_grad()
+    to_disk: list[int] = []
+
+    def seen(report: StepReport) -> None:
+        assert session is not None
+        to_disk.append(report.bytes_to_disk)
+        # past the host budget only for a read no room could be made for, which the tier says
+        assert (report.peak_host_bytes <= (session.config.host_budget_bytes or 0)
+                or _said_past(session)), str(report)
+
+    def batch(step: int) -> torch.Tensor:
+        return torch.randn(256, WIDTH, generator=torch.Generator().manual_seed(100 * step + rank))
+
+    results = train(_ddp(), session, steps, batch, seen)
     return results, to_disk
 
 
