@@ -188,3 +188,42 @@ def test_a_timeline_of_another_trace() -> None:
     short = dataclasses.replace(sim, op_start_ms=sim.op_start_ms[:3], op_end_ms=sim.op_end_ms[:3])
     with pytest.raises(ValueError, match="timeline has 3 ops but the trace has 8"):
         host_tier(_four(), _offload_all(prefetch=False), M, timeline=short)
+
+
+def _forward_then_backward(forward_ms: list[float]) -> tuple[ActivationTrace, ResidencySchedule]:
+    """Forward op i writes storage i (``forward_ms[i]`` long) and copies it out; backward reads
+    them in reverse (100 ms ops), each copied in just before."""
+    n = len(forward_ms)
+    ops = [(f"w{i}", ms) for i, ms in enumerate(forward_ms)] + [(f"r{n - 1 - k}", 100.0) for k in range(n)]
+    trace = make_trace(ops, {i: M for i in range(n)}, budget=M)
+    schedule = ResidencySchedule.empty(2 * n, "hand")
+    for i in range(n):
+        schedule.post[i].extend([ResidencyAction(Act.COPY_D2H, i), ResidencyAction(Act.RELEASE_DEVICE, i)])
+        sid = n - 1 - i
+        schedule.pre[n + i].append(ResidencyAction(Act.COPY_H2D, sid))
+        schedule.post[n + i].extend([ResidencyAction(Act.RELEASE_DEVICE, sid),
+                                     ResidencyAction(Act.RELEASE_HOST, sid)])
+    verify(trace, schedule)
+    return trace, schedule
+
+
+def test_best_marks_writes_sooner_where_a_long_op_leaves_the_disk_idle() -> None:
+    """A 40 ms op in forward, writes at 0.1 GB/s (10 ms a copy), a host budget of four copies:
+    spilling past half the budget leaves the disk idle through that op and the copies after it
+    wait for room; spilling past a quarter writes through it (one copy more goes to disk)."""
+    trace, schedule = _forward_then_backward([1.0, 1.0, 1.0, 1.0, 40.0, 1.0, 1.0, 1.0])
+    sim = simulate(trace, schedule)
+    marks, est = model.best_marks(trace, schedule, 4 * M, 0.1, 1000.0, sim)
+    default = host_tier(trace, schedule, 4 * M, 0.1, 1000.0, sim)
+    assert marks == (0.25, 0.75) and (default.disk_wait_ms, est.disk_wait_ms) == pytest.approx((17.0, 7.0))
+    assert est.bytes_to_disk == default.bytes_to_disk + M
+    every = {m: host_tier(trace, schedule, 4 * M, 0.1, 1000.0, sim, m).disk_wait_ms for m in model.MARK_GRID}
+    assert est.disk_wait_ms == min(every.values())  # the grid's least (the first of equals)
+
+
+def test_best_marks_keeps_the_defaults_where_nothing_waits_less() -> None:
+    """The room case above: writing sooner only writes one copy more, and every step waits longer."""
+    ops = [(f"w{i}", 10.0) for i in range(4)] + [(f"r{3 - k}", 100.0) for k in range(4)]
+    trace, schedule = make_trace(ops, {i: M for i in range(4)}, budget=M), _offload_all(prefetch=False)
+    marks, est = model.best_marks(trace, schedule, 2 * M, 0.09, 1000.0, simulate(trace, schedule))
+    assert marks == (model.SPILL_AT, model.READ_AT) and est.spilled_sids == (0, 1, 2)
