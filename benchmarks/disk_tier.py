@@ -169,11 +169,8 @@ def _timed_estimate(session: OffloadSession, host_mb: float, to_disk: int, from_
     trace, schedule = plan.trace, plan.schedule
     write = to_disk / (write_ms * 1e6) if write_ms else 1.0
     read = from_disk / (read_ms * 1e6) if read_ms else 1.0
-    marks = getattr(plan, "tier_marks", None)  # the marks the tier ran the plan's steps with
-    kwargs = {} if marks is None else {"marks": marks}
-    est = host_tier(trace, schedule, int(host_mb * MIB), write, read, timeline=simulate(trace, schedule),
-                    **kwargs)
-    return {"tier_marks": marks, "disk_wait_ms": est.disk_wait_ms, "room_ms": est.disk_wait_room_ms,
+    est = host_tier(trace, schedule, int(host_mb * MIB), write, read, timeline=simulate(trace, schedule))
+    return {"disk_wait_ms": est.disk_wait_ms, "room_ms": est.disk_wait_room_ms,
             "read_ahead_ms": est.disk_wait_read_ahead_ms, "on_demand_ms": est.disk_wait_on_demand_ms,
             "plan_step_ms": est.step_ms, "write_gbps": write,
             "read_gbps": read, "bytes_to_disk": est.bytes_to_disk, "bytes_from_disk": est.bytes_from_disk}
