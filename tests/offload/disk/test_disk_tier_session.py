@@ -256,46 +256,6 @@ def test_the_fast_path_runs_through_the_disk_tier(tmp_path: Path) -> None:
     assert _files(tmp_path) == []
 
 
-def test_each_plans_marks_reach_the_tier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The marks ``best_marks`` times on a plan are the tier's on that plan's steps (the first
-    step, with no plan, and a plan whose estimate fails keep the defaults); bitwise either way."""
-    from hyperpar.offload.planning import host_tier as model
-    from hyperpar.offload.runtime import disk_tier
-
-    real = model.best_marks
-    failing: list[bool] = [False]
-
-    def chosen(*args: object) -> tuple[tuple[float, float], model.HostTierEstimate]:
-        if failing[0]:
-            raise RuntimeError("estimate failed (test)")
-        return (0.25, 0.9), real(*args)[1]  # type: ignore[arg-type]
-
-    monkeypatch.setattr(model, "best_marks", chosen)
-    peak = _peak()
-    session = OffloadSession(OffloadConfig(max_resident_activation_mb=0.6 * peak / MIB,
-                                           max_host_activation_mb=0.2 * peak / MIB, disk_dir=tmp_path))
-    seen: list[tuple[float, float]] = []
-
-    def loss(model_: nn.Module, step: int) -> torch.Tensor:
-        tier = session._manager.tier
-        if session._executor is not None or session._fast is not None:  # (the plain twin: not)
-            assert tier is not None
-            seen.append((tier.spill_at, tier.read_at))
-        return _mlp_loss(model_, step)
-
-    reports = list(_twin(_model(), _model(), session, loss, range(4), host_held=False))
-    assert any(r.bytes_to_disk for r in reports)
-    assert seen[0] == (disk_tier.SPILL_AT, disk_tier.READ_AT)  # the warmup: no plan yet
-    assert seen[1:] == [(0.25, 0.9)] * 3, seen
-    plan = session._current
-    assert plan is not None and plan.tier_marks == (0.25, 0.9)
-    failing[0] = True
-    refined = session._plan(plan.signature, plan.trace, session._structures[plan.signature].keys, None,
-                            quiet=True)
-    assert refined.tier_marks is None  # the estimate failed: the tier's defaults
-    session.close()
-
-
 def test_the_chrome_trace_shows_the_disk_tiers_writes_and_reads(tmp_path: Path) -> None:
     peak = _peak()
     disk = tmp_path / "disk"

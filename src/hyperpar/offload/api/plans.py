@@ -54,8 +54,6 @@ class Plan:
     # storage id -> the op of its last copy back to the device: the disk tier's order (made once)
     copy_in: dict[int, int] | None = None
     host_peak: int = 0  # the most host bytes its copies hold at once (``planning.host_tier.host_peak``)
-    # the disk tier's (spill at, read at) marks for it (``planning.host_tier.best_marks``; None: defaults)
-    tier_marks: tuple[float, float] | None = None
     kept_bytes: int = 0  # retained after the step (parameter gradients, the loss, outputs)
     movable_peak_bytes: int = 0  # the peak of the rest, without offload
 

@@ -291,8 +291,7 @@ class OffloadSession(FastSteps, RecomputeSteps):
             plan.copy_in = last_copy_in(plan.packed_schedule)
             plan.host_peak = host_peak(plan.trace, plan.schedule, self._pool.align)
         tier.begin_step(None if plan is None else plan.copy_in,
-                        ahead=plan is None or plan.host_peak > tier.budget_bytes,
-                        marks=None if plan is None else plan.tier_marks)
+                        ahead=plan is None or plan.host_peak > tier.budget_bytes)
 
     def close(self) -> None:
         """Give back what the session holds between steps: host slabs, the disk tier's file
@@ -603,9 +602,8 @@ class OffloadSession(FastSteps, RecomputeSteps):
         if not isinstance(predicted, (int, float)) or isinstance(predicted, bool):
             predicted = sim.predicted_step_ms
         packed_schedule = PackedSchedule(schedule)
-        marks = None
-        if self._manager.tier is not None:
-            marks = self._disk_marks(trace, schedule, float(predicted), sim, say=not quiet)
+        if self._manager.tier is not None and not self._said_disk_tier and not quiet:
+            self._say_disk_tier(trace, schedule, float(predicted), sim)
         resident = sim.resident_bytes  # the device's bytes, without the budget's reserve
         if arrays.reserve_bytes is not None:
             resident = (np.asarray(resident, dtype=np.int64) - arrays.reserve_bytes).tolist()
@@ -614,15 +612,14 @@ class OffloadSession(FastSteps, RecomputeSteps):
         kept, movable_peak = kept_and_movable_peak(arrays, trace.retained_sids)
         return Plan(signature, packed, packed_schedule, program, float(predicted),
                      sum(trace.storage_sizes.values()), floor, kept_bytes=kept,
-                     movable_peak_bytes=movable_peak, tier_marks=marks)
+                     movable_peak_bytes=movable_peak)
 
-    def _disk_marks(self, trace: ActivationTrace, schedule: ResidencySchedule, step_ms: float,
-                    sim: SimResult, say: bool) -> tuple[float, float] | None:
-        """The disk tier's marks for this plan (``planning.host_tier.best_marks``: timed on the
-        plan's predicted op times, ``sim``, at the disk's bandwidth the tier measured so far,
-        else the defaults); with ``say``, once a session, a warning when the step would still
-        wait for the disk. None (the tier's defaults) where the estimate fails."""
-        from hyperpar.offload.planning.host_tier import DEFAULT_READ_GBPS, DEFAULT_WRITE_GBPS, best_marks
+    def _say_disk_tier(self, trace: ActivationTrace, schedule: ResidencySchedule, step_ms: float,
+                       sim: SimResult) -> None:
+        """Once per session: the disk tier's work on the first plan, at the disk's bandwidth the
+        tier measured so far (else the defaults), timed on the plan's predicted op times
+        (``sim``), when the step would wait for it."""
+        from hyperpar.offload.planning.host_tier import DEFAULT_READ_GBPS, DEFAULT_WRITE_GBPS, host_tier
 
         tier = self._manager.tier
         host_budget = self.config.host_budget_bytes
@@ -632,15 +629,13 @@ class OffloadSession(FastSteps, RecomputeSteps):
         read = (tier.bytes_from_disk / (tier.read_s * 1e9) if tier.read_s > 0 and tier.bytes_from_disk
                 else DEFAULT_READ_GBPS)
         try:
-            marks, est = best_marks(trace, schedule, host_budget, write, read, sim)
-        except Exception as exc:  # an estimate never fails a step
+            said = host_tier(trace, schedule, host_budget, write, read, timeline=sim).warning(step_ms)
+        except Exception as exc:  # an estimate for a warning never fails a step
             logger.debug("disk tier estimate failed: %s", exc)
-            return None
-        said = est.warning(step_ms) if say and not self._said_disk_tier else None
+            return
         if said is not None:
             logger.warning("%s", said)
             self._said_disk_tier = True
-        return marks
 
     def _for_device(self, trace: ActivationTrace, arrays: TraceArrays) -> tuple[ActivationTrace, TraceArrays]:
         """The trace and arrays the planner sees: as measured, or with ``plan_for`` set, each

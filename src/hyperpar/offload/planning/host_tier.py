@@ -48,9 +48,6 @@ _NEVER = 1 << 62
 SPILL_AT = 0.5  # as runtime.disk_tier.SPILL_AT
 READ_AT = 0.75  # as runtime.disk_tier.READ_AT
 WAIT_SAID = 0.05  # timed waits for the disk over this share of the step are said
-# (spill at, read at) pairs ``best_marks`` tries, and the share of the step they must save
-MARK_GRID = tuple((s, r) for s in (0.25, 0.375, 0.5, 0.625) for r in (0.75, 0.9))
-MARKS_GAIN = 0.01
 # The raw O_DIRECT figures of benchmarks/results/disk_store.json (this repository's CI machine).
 DEFAULT_WRITE_GBPS = 2.49
 DEFAULT_READ_GBPS = 1.60
@@ -132,11 +129,9 @@ class HostTierEstimate:
 
 def host_tier(trace: ActivationTrace, schedule: ResidencySchedule, host_budget_bytes: int,
               write_gbps: float = DEFAULT_WRITE_GBPS,
-              read_gbps: float = DEFAULT_READ_GBPS, timeline: SimResult | None = None,
-              marks: tuple[float, float] = (SPILL_AT, READ_AT)) -> HostTierEstimate:
+              read_gbps: float = DEFAULT_READ_GBPS, timeline: SimResult | None = None) -> HostTierEstimate:
     """Estimate the disk tier's work for ``schedule`` on ``trace`` with ``host_budget_bytes`` of
-    host; ``timeline``: the schedule's simulation (``planning.simulate``), to time the disk link;
-    ``marks``: the tier's (spill at, read at) shares of the budget."""
+    host; ``timeline``: the schedule's simulation (``planning.simulate``), to time the disk link."""
     if schedule.num_ops != trace.num_ops:
         raise ValueError(f"schedule has {schedule.num_ops} ops but the trace has {trace.num_ops}")
     if host_budget_bytes < 0 or write_gbps <= 0 or read_gbps <= 0:
@@ -146,8 +141,7 @@ def host_tier(trace: ActivationTrace, schedule: ResidencySchedule, host_budget_b
     actions = [a for _, _, a in listed]
     unbounded = _Tier(trace.storage_sizes, None, actions)
     unbounded.run()
-    tier = _Tier(trace.storage_sizes, host_budget_bytes, actions, ahead=unbounded.peak > host_budget_bytes,
-                 marks=marks)
+    tier = _Tier(trace.storage_sizes, host_budget_bytes, actions, ahead=unbounded.peak > host_budget_bytes)
     if timeline is not None:
         if len(timeline.op_start_ms) != trace.num_ops:
             raise ValueError(f"timeline has {len(timeline.op_start_ms)} ops but the trace has "
@@ -177,27 +171,6 @@ def host_tier(trace: ActivationTrace, schedule: ResidencySchedule, host_budget_b
         disk_wait_on_demand_ms=None if clock is None else clock.by_cause["on_demand"],
         step_ms=None if timeline is None else timeline.predicted_step_ms,
     )
-
-
-def best_marks(trace: ActivationTrace, schedule: ResidencySchedule, host_budget_bytes: int,
-               write_gbps: float, read_gbps: float, timeline: SimResult
-               ) -> tuple[tuple[float, float], HostTierEstimate]:
-    """The tier's marks (``MARK_GRID``) under which the plan's step waits least for the disk
-    (timed on ``timeline``), with their estimate: the defaults unless others save more than
-    ``MARKS_GAIN`` of the step and keep no more copies on the device. Writing sooner gives a
-    copy out its room before it needs it; reading further ahead brings copies back sooner."""
-    def estimate(marks: tuple[float, float]) -> HostTierEstimate:
-        return host_tier(trace, schedule, host_budget_bytes, write_gbps, read_gbps, timeline, marks)
-
-    best_at, best = (SPILL_AT, READ_AT), estimate((SPILL_AT, READ_AT))
-    assert best.disk_wait_ms is not None
-    need = best.disk_wait_ms - MARKS_GAIN * timeline.predicted_step_ms
-    for marks in MARK_GRID:
-        est = estimate(marks)
-        assert est.disk_wait_ms is not None
-        if est.disk_wait_ms < need and est.kept_on_device_bytes <= best.kept_on_device_bytes:
-            best_at, best, need = marks, est, est.disk_wait_ms
-    return best_at, best
 
 
 def host_peak(trace: ActivationTrace, schedule: ResidencySchedule, align: int = 1) -> int:
@@ -262,9 +235,8 @@ class _Tier:
     timed where a ``clock`` is set."""
 
     def __init__(self, sizes: dict[int, int], budget: int | None, actions: list[Any],
-                 ahead: bool = True, marks: tuple[float, float] = (SPILL_AT, READ_AT)) -> None:
+                 ahead: bool = True) -> None:
         self.ahead = ahead  # writes ahead of need (off where the copies fit the budget, as at runtime)
-        self.spill_at, self.read_at = marks
         self.sizes, self.budget, self.actions = sizes, budget, actions
         self.held: dict[int, int] = {}  # copied, still on the device: not spillable
         self.host: OrderedDict[int, int] = OrderedDict()  # evicted, copy on host, oldest first
@@ -323,8 +295,8 @@ class _Tier:
                 self.kept_on_device += self.sizes.get(sid, 0)
             return
         self.host[sid] = size
-        if self.ahead and self.budget is not None and self.in_use > self.spill_at * self.budget:
-            self.spill_until(int(self.spill_at * self.budget))
+        if self.ahead and self.budget is not None and self.in_use > SPILL_AT * self.budget:
+            self.spill_until(int(SPILL_AT * self.budget))
 
     def copy_in(self, sid: int) -> None:
         if sid in self.kept:
@@ -396,7 +368,7 @@ class _Tier:
     def read_ahead(self, in_flight: int) -> None:
         """Read the newest spilled copies back while in use stays under ``READ_AT`` of the budget."""
         assert self.budget is not None or not self.on_disk
-        limit = self.read_at * (self.budget or 0)
+        limit = READ_AT * (self.budget or 0)
         while self.on_disk:
             sid = min(self.on_disk, key=self._comes_back)  # the one the plan brings back first
             size = self.on_disk[sid]

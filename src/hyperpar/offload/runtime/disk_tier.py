@@ -101,7 +101,6 @@ class DiskTier:
         self._failed: BaseException | None = None  # a write failed this step: spilling stopped
         self._said_past_budget = False  # a read past the host budget was said this step
         self._ahead = True  # writes ahead of need (``begin_step``)
-        self.spill_at, self.read_at = SPILL_AT, READ_AT  # the step's marks (``begin_step``)
         self.copy_in: dict[int, int] | None = None  # the plan's order of copies back (``begin_step``)
         self.origin = time.perf_counter()  # the step's start, for ``spans``
         self.spans: list[CopySpan] = []  # the step's writes and reads, for the timeline
@@ -184,7 +183,7 @@ class DiskTier:
         if not self._on_disk:
             return
         self._collect()
-        limit = int(self.read_at * self.budget_bytes)
+        limit = int(READ_AT * self.budget_bytes)
         for entry in self._read_order():
             rec = self._spilled[entry]
             need = self.pool.in_use_bytes + aligned(rec.nbytes) - limit
@@ -220,19 +219,15 @@ class DiskTier:
         rec.slab = None
         self._free_extent(rec)
 
-    def begin_step(self, copy_in: dict[int, int] | None = None, ahead: bool = True,
-                   marks: tuple[float, float] | None = None) -> None:
+    def begin_step(self, copy_in: dict[int, int] | None = None, ahead: bool = True) -> None:
         """The step's counters from zero; a write failure is tried (and said) again. ``copy_in``:
         the plan's op of each storage's copy back to the device (``ir.packed_schedule.last_copy_in``),
         by which copies are spilled (the one needed last first) and read back (the one needed
         first first); None (the first step, no plan yet): by age, oldest out, newest back.
         ``ahead``: write copies out ahead of need past ``SPILL_AT``; off where the plan's host
-        copies fit the budget (they are then written only if room runs short after all).
-        ``marks``: the plan's (spill at, read at) shares of the budget, in place of ``SPILL_AT``
-        and ``READ_AT`` (``planning.host_tier.best_marks`` times them on the plan)."""
+        copies fit the budget (they are then written only if room runs short after all)."""
         self.copy_in = copy_in
         self._ahead = ahead
-        self.spill_at, self.read_at = marks if marks is not None else (SPILL_AT, READ_AT)
         self.origin = time.perf_counter()
         self.spans = []
         self._failed = None
@@ -272,9 +267,9 @@ class DiskTier:
             pass
 
     def _spill_ahead(self) -> None:
-        if self._ahead and self.pool.in_use_bytes > self.spill_at * self.budget_bytes:
+        if self._ahead and self.pool.in_use_bytes > SPILL_AT * self.budget_bytes:
             self._collect()
-            self._spill_until(int(self.spill_at * self.budget_bytes))
+            self._spill_until(int(SPILL_AT * self.budget_bytes))
 
     def _spill_until(self, target: int) -> None:
         """Start writes, oldest copy first, until the slabs not being written fit ``target``."""
