@@ -115,14 +115,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:  # one JSON object on stdout, nothing else
         doc = plan_projection.levers(args, trace).as_dict()
         if tiers is not None:  # the offload-only plan at the JSON's budget
-            at = with_budget(trace, doc["budget_bytes"])
-            with deficit_warnings_muted():
-                _, schedule, _ = plan_point(at, args.planner)
-            # untimed: the op times here are the trace's, not the projected device's
-            # (disk_wait_ms null); the text table times the disk on the trace's own
-            tier = host_tier(at, schedule, *tiers).as_dict()
-            # compute_ms is the trace's own (measured where it was traced); on --device the I/O
-            # must hide under the projected step instead
+            # the plan on the device's model, timed there: its compute_ms, step_ms and disk
+            # waits are the projected step's
+            planned, schedule, sim = plan_projection.device_plan(args, trace, doc["budget_bytes"])
+            tier = host_tier(planned, schedule, *tiers, timeline=sim).as_dict()
             tier["projected_step_ms"] = doc["offload_only_ms"]
             tier["fits_projected"] = tier["io_ms"] <= doc["offload_only_ms"]
             doc["host_tier"] = tier

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hyperpar.commands.flags import non_negative
-from hyperpar.offload.ir import ActivationTrace
+from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
 
 if TYPE_CHECKING:
+    from hyperpar.offload.planning.simulate import SimResult
     from hyperpar.offload.projection import HostCosts
     from hyperpar.offload.projection.levers import LeverSteps
 
@@ -88,6 +90,26 @@ def levers(args: argparse.Namespace, trace: ActivationTrace) -> LeverSteps:
     from hyperpar.offload.projection.levers import lever_steps
 
     return lever_steps(trace, get_device(args.device), _host_costs(args), fraction_of(args), args.planner)
+
+
+def device_plan(args: argparse.Namespace, trace: ActivationTrace, budget_bytes: int
+                ) -> tuple[ActivationTrace, ResidencySchedule, SimResult]:
+    """The offload-only plan on ``--device``'s model at ``budget_bytes`` (its floor where that is
+    higher, as the levers plan): the trace as the planner sees it there (each op's projected
+    time, the device's link), its schedule and its simulation, the device's timeline."""
+    from hyperpar.offload.planning.deficit_warnings import deficit_warnings_muted
+    from hyperpar.offload.planning.floor import budget_floor
+    from hyperpar.offload.planning.sweep import plan_point
+    from hyperpar.offload.projection import get_device, op_costs
+    from hyperpar.offload.projection.timeline import device_times_us, projected_trace
+
+    device, host = get_device(args.device), _host_costs(args)
+    budget = max(budget_bytes, budget_floor(replace(trace, memory_limit_bytes=budget_bytes)).floor_bytes)
+    planned = projected_trace(trace, device_times_us(op_costs(trace), device), host.replay_us,
+                              device.link_gbps, budget)
+    with deficit_warnings_muted():
+        _, schedule, sim = plan_point(planned, args.planner)
+    return planned, schedule, sim
 
 
 def print_levers(r: LeverSteps) -> None:
