@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -95,20 +94,17 @@ def levers(args: argparse.Namespace, trace: ActivationTrace) -> LeverSteps:
 def device_plan(args: argparse.Namespace, trace: ActivationTrace, budget_bytes: int
                 ) -> tuple[ActivationTrace, ResidencySchedule, SimResult]:
     """The offload-only plan on ``--device``'s model at ``budget_bytes`` (its floor where that is
-    higher, as the levers plan): the trace as the planner sees it there (each op's projected
-    time, the device's link), its schedule and its simulation, the device's timeline."""
-    from hyperpar.offload.planning.deficit_warnings import deficit_warnings_muted
-    from hyperpar.offload.planning.floor import budget_floor
-    from hyperpar.offload.planning.sweep import plan_point
+    higher, as the levers plan): the trace as the planner sees it there, its schedule and its
+    simulation, the device's timeline (``projection.timeline.device_plan``)."""
     from hyperpar.offload.projection import get_device, op_costs
-    from hyperpar.offload.projection.timeline import device_times_us, projected_trace
+    from hyperpar.offload.projection.levers import floor_at
+    from hyperpar.offload.projection.timeline import device_plan as plan_on
+    from hyperpar.offload.projection.timeline import device_times_us
 
-    device, host = get_device(args.device), _host_costs(args)
-    budget = max(budget_bytes, budget_floor(replace(trace, memory_limit_bytes=budget_bytes)).floor_bytes)
-    planned = projected_trace(trace, device_times_us(op_costs(trace), device), host.replay_us,
-                              device.link_gbps, budget)
-    with deficit_warnings_muted():
-        _, schedule, sim = plan_point(planned, args.planner)
+    device = get_device(args.device)
+    budget = max(budget_bytes, floor_at(trace, budget_bytes))
+    planned, _, schedule, sim = plan_on(trace, device_times_us(op_costs(trace), device), device,
+                                        _host_costs(args), budget, args.planner)
     return planned, schedule, sim
 
 

@@ -138,11 +138,16 @@ class FastSteps:
                 found = min(covering, key=lambda p: math.prod(p.packs[0][0]))
         return found
 
+    def _can_decide(self) -> bool:
+        """Whether steps may pick their path at their first saved tensor: nothing is on that the
+        fast path cannot follow (``verify``'s checksums, rebuilt calls)."""
+        return self.config.fast_replay and not self.config.verify and self._recompute is None
+
     def _decides(self, plan: Plan | None) -> bool:
         """Whether a step starts checked and picks its path at its first saved tensor: its
-        structure's lengths vary, and nothing the fast path cannot follow is on."""
-        return (plan is not None and self._structures[plan.signature].varies and self.config.fast_replay
-                and not self.config.verify and not self._want_spans and self._recompute is None)
+        structure's lengths vary, and it records no module calls (``_can_decide``)."""
+        return (plan is not None and self._structures[plan.signature].varies and not self._want_spans
+                and self._can_decide())
 
     def _hand_off(self, first: Fingerprint) -> SavedTensorGuard | None:
         """A deciding step's first saved tensor (``_decides``), from the checked replay's guard:
@@ -160,8 +165,6 @@ class FastSteps:
         if plan is None:
             return None
         checked_ops = executor.index
-        executor.closed = True
-        executor.release_region_graphs()
         self._undo_enter(executor, entered=True)
         self._recompute_enter(None)
         self._running = plan
@@ -233,7 +236,7 @@ class FastSteps:
             # structure that keeps missing with nothing learned between stays checked: the
             # checked replay follows any length, the fast path only ones a plan covers. Where
             # the next steps can pick their path at their first saved tensor, they do that instead
-            if self.config.fast_replay and not self.config.verify and self._recompute is None:
+            if self._can_decide():
                 structure.varies, structure.to_learn = True, 0
             else:
                 self._learn_after_miss(structure, executor.missed)

@@ -307,6 +307,8 @@ class OffloadSession(FastSteps, RecomputeSteps):
     def _undo_enter(self, executor: ExecutorBase, entered: bool) -> None:
         """Undo what a mode step's ``__enter__`` did: it failed, or the step goes fast from its
         first saved tensor (``_hand_off``; the executor has moved nothing)."""
+        executor.closed = True  # its region graphs' hooks do nothing more
+        executor.release_region_graphs()
         packs, self._packs = self._packs, None
         try:
             if packs is not None:

@@ -54,9 +54,14 @@ def project_at_budget(trace: ActivationTrace, device: DeviceModel, host: HostCos
                       planner: str = "timed") -> tuple[Projection, int]:
     """``trace`` projected at ``budget_bytes``, planned for its floor where that is higher (as a
     session plans a budget below the floor), and that floor."""
-    trace = replace(trace, memory_limit_bytes=budget_bytes)
-    floor = budget_floor(trace).floor_bytes
-    return project(trace, device, host, max(budget_bytes, floor), planner), floor
+    floor = floor_at(trace, budget_bytes)
+    return project(replace(trace, memory_limit_bytes=budget_bytes), device, host, max(budget_bytes, floor),
+                   planner), floor
+
+
+def floor_at(trace: ActivationTrace, budget_bytes: int) -> int:
+    """``trace``'s floor with ``budget_bytes`` as its budget (a plan below it is made for it)."""
+    return budget_floor(replace(trace, memory_limit_bytes=budget_bytes)).floor_bytes
 
 
 def lever_steps(trace: ActivationTrace, device: DeviceModel, host: HostCosts, fraction: float,

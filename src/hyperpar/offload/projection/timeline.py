@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -24,6 +25,10 @@ from hyperpar.offload.ir.packed_schedule import KINDS, packed_actions
 from hyperpar.offload.ir.trace import AccessKind, TraceOp
 from hyperpar.offload.projection.devices import DeviceModel, HostCosts
 from hyperpar.offload.projection.op_costs import TraceCosts, op_costs
+
+if TYPE_CHECKING:
+    from hyperpar.offload.planning.simulate import SimResult
+    from hyperpar.offload.planning.sweep import PlanPoint
 
 log = logging.getLogger(__name__)
 _D2H, _H2D = KINDS.index(Act.COPY_D2H), KINDS.index(Act.COPY_H2D)
@@ -150,12 +155,24 @@ def projected_trace(trace: ActivationTrace, device_us: list[float], host_us: flo
     return out
 
 
+def device_plan(trace: ActivationTrace, device_us: list[float], device: DeviceModel, host: HostCosts,
+                budget_bytes: int, planner: str = "timed") -> tuple[ActivationTrace, PlanPoint,
+                                                                   ResidencySchedule, SimResult]:
+    """The replay's plan on ``device`` at ``budget_bytes``: the trace as the planner sees it there
+    (``projected_trace`` of the ops' device times ``device_us``), its plan point, schedule and
+    simulation (the device's timeline, as the planner predicts it)."""
+    from hyperpar.offload.planning.sweep import deficit_warnings_muted, plan_point
+
+    planned = projected_trace(trace, device_us, host.replay_us, device.link_gbps, budget_bytes)
+    with deficit_warnings_muted():
+        point, schedule, sim = plan_point(planned, planner)
+    return planned, point, schedule, sim
+
+
 def project(trace: ActivationTrace, device: DeviceModel, host: HostCosts | None = None,
             budget_bytes: int | None = None, planner: str = "timed") -> Projection:
     """Plain, warmup and replay steps of ``trace`` on ``device``; the replay follows the schedule
     ``planner`` makes for the projected trace at ``budget_bytes`` (default: the trace's budget)."""
-    from hyperpar.offload.planning.sweep import deficit_warnings_muted, plan_point
-
     host = host or HostCosts()
     costs = op_costs(trace)
     dev = device_times_us(costs, device)
@@ -164,9 +181,7 @@ def project(trace: ActivationTrace, device: DeviceModel, host: HostCosts | None 
     budget = trace.memory_limit_bytes if budget_bytes is None else budget_bytes
     if budget < 0:
         raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes!r}")
-    planned = projected_trace(trace, dev, host.replay_us, device.link_gbps, budget)
-    with deficit_warnings_muted():
-        point, schedule, _ = plan_point(planned, planner)
+    planned, point, schedule, _ = device_plan(trace, dev, device, host, budget, planner)
     replay, d2h, h2d = run_timeline(dev, host.replay_us, device.launch_us, planned, schedule,
                                     device.link_gbps)
     log.info("projected %d ops on %s: plain %.1f us, replay %.1f us", len(dev), device.name,
