@@ -2,8 +2,10 @@
 
 Raw: one file written then read sequentially with ``os.pwrite``/``os.pread`` of one aligned
 8 MiB buffer, ``O_DIRECT`` where the file system allows it (as ``dd oflag=direct bs=8M``
-does), no store in between. Store: ``DiskStore`` in the same directory, the same bytes as
-tensors of each ``--sizes`` (MiB), written one by one and read back one by one, each
+does), no store in between, from a buffer on huge pages (``runtime.huge_pages``: what the
+store's buffers and the disk tier's slabs are on) and, for comparison, from one on 4 KiB
+pages (what ``dd`` uses; ``plain_pages_over_huge``). Store: ``DiskStore`` in the same
+directory, the same bytes as tensors of each ``--sizes`` (MiB), written one by one and read back one by one, each
 checked bitwise once (torch's own allocations, 64-byte aligned: the store's staging path,
 as for the host pool's plain slabs; page-aligned bytes move in place). The two alternate
 per repeat in one process; GB/s are medians of the
@@ -35,9 +37,15 @@ from hyperpar.offload.runtime.disk_store import ALIGN, O_DIRECT, STAGING_BYTES, 
 MIB = 1 << 20
 
 
-def raw_gbps(directory: str, total: int) -> tuple[float, float, bool]:
-    """(write GB/s, read GB/s, direct) of ``total`` bytes in 8 MiB aligned transfers."""
-    data = aligned_bytes(STAGING_BYTES).random_(0, 256, generator=torch.Generator().manual_seed(0))
+def raw_gbps(directory: str, total: int, huge: bool = True) -> tuple[float, float, bool]:
+    """(write GB/s, read GB/s, direct) of ``total`` bytes in 8 MiB aligned transfers from one
+    buffer on huge pages where the OS gives them (``huge``; else on 4 KiB pages, as ``dd``'s)."""
+    if huge:
+        data = aligned_bytes(STAGING_BYTES)
+    else:
+        plain = torch.empty(STAGING_BYTES + ALIGN, dtype=torch.uint8)
+        data = plain[-plain.data_ptr() % ALIGN:][:STAGING_BYTES]
+    data.random_(0, 256, generator=torch.Generator().manual_seed(0))
     buf = memoryview(data.numpy())
     fd_tmp, path = tempfile.mkstemp(prefix="hyperpar-raw-", dir=directory)
     os.close(fd_tmp)
@@ -100,14 +108,18 @@ def main(argv: list[str] | None = None) -> int:
     directory = tempfile.mkdtemp(prefix="hyperpar-disk-bench-", dir=args.dir or os.getcwd())
     total = args.mib * MIB
     sizes = [int(s * MIB) for s in args.sizes]
-    runs: dict[str, list[tuple[float, float]]] = {"raw": [], **{f"{s / MIB:g} MiB": [] for s in sizes}}
+    runs: dict[str, list[tuple[float, float]]] = {"raw": [], "raw, 4 KiB pages": [],
+                                                  **{f"{s / MIB:g} MiB": [] for s in sizes}}
     direct = {}
     bitwise = True
     try:
-        with tqdm(total=args.repeats * (1 + len(sizes)), desc="runs", file=sys.stderr) as bar:
+        with tqdm(total=args.repeats * (2 + len(sizes)), desc="runs", file=sys.stderr) as bar:
             for _ in range(args.repeats):
                 w, r, direct["raw"] = raw_gbps(directory, total)
                 runs["raw"].append((w, r))
+                bar.update()
+                w, r, _ = raw_gbps(directory, total, huge=False)
+                runs["raw, 4 KiB pages"].append((w, r))
                 bar.update()
                 for s in sizes:
                     w, r, d, ok = store_gbps(directory, total, s)
@@ -125,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         "bitwise": bitwise, "gbps": med,
         "store_over_raw": {k: {"write": v["write_gbps"] / raw["write_gbps"],
                                "read": v["read_gbps"] / raw["read_gbps"]}
-                           for k, v in med.items() if k != "raw"},
+                           for k, v in med.items() if not k.startswith("raw")},
+        "plain_pages_over_huge": {"write": med["raw, 4 KiB pages"]["write_gbps"] / raw["write_gbps"],
+                                  "read": med["raw, 4 KiB pages"]["read_gbps"] / raw["read_gbps"]},
     }
     headlines.write("disk_store", Path(args.out), doc, started)
     print(f"raw ({'O_DIRECT' if direct['raw'] else 'buffered'}): write {raw['write_gbps']:.2f} GB/s, "

@@ -41,6 +41,8 @@ from types import TracebackType
 
 import torch
 
+from hyperpar.offload.runtime.huge_pages import huge_page_bytes
+
 logger = logging.getLogger(__name__)
 
 ALIGN = 4096  # covers the logical block size O_DIRECT asks of offsets, lengths and addresses
@@ -74,10 +76,9 @@ def aligned(nbytes: int) -> int:
 
 def aligned_bytes(nbytes: int) -> torch.Tensor:
     """``nbytes`` uninitialized CPU bytes starting at an ``ALIGN`` boundary (what ``O_DIRECT``
-    moves in place; torch's own allocations are 64-byte aligned)."""
-    buffer = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
-    start = -buffer.data_ptr() % ALIGN
-    return buffer[start:start + nbytes]
+    moves in place; torch's own allocations are 64-byte aligned), on huge pages where the OS
+    gives them (``runtime.huge_pages``)."""
+    return huge_page_bytes(nbytes, ALIGN)
 
 
 def _open_direct(path: str, block: memoryview) -> int:
