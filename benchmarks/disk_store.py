@@ -1,17 +1,16 @@
 """The disk store's bandwidth against the raw bandwidth of the same disk (issue 42, item 2).
 
-Raw: one file written then read sequentially with ``os.pwrite``/``os.pread`` of one aligned
-8 MiB buffer, ``O_DIRECT`` where the file system allows it (as ``dd oflag=direct bs=8M``
-does), no store in between, from a buffer on huge pages (``runtime.huge_pages``: what the
-store's buffers and the disk tier's slabs are on) and, for comparison, from one on 4 KiB
-pages (what ``dd`` uses; ``plain_pages_over_huge``). Store: ``DiskStore`` in the same
-directory, the same bytes as tensors of each ``--sizes`` (MiB), written one by one and read back one by one, each
-checked bitwise once (torch's own allocations, 64-byte aligned: the store's staging path,
-as for the host pool's plain slabs; page-aligned bytes move in place). The two alternate
-per repeat in one process; GB/s are medians of the
-repeats (wall time: the disk, not the CPU, is measured). Neither calls ``fsync``: with
-``O_DIRECT`` the bytes reach the device, without it (a refused file system) both sides go
-through the page cache alike.
+Raw: one file written then read sequentially with ``os.pwrite``/``os.pread`` of one aligned 8
+MiB buffer, ``O_DIRECT`` where the file system allows it (as ``dd oflag=direct bs=8M`` does),
+no store in between, from a buffer on huge pages (``runtime.huge_pages``: what the store's
+buffers and the disk tier's slabs are on) and, for comparison, from one on 4 KiB pages (what
+``dd`` uses; ``plain_pages_over_huge``). Store: ``DiskStore`` in the same directory, the same
+bytes as tensors of each ``--sizes`` (MiB), written one by one and read back one by one, each
+checked bitwise once (torch's own allocations, 64-byte aligned: the store's staging path, as
+for the host pool's plain slabs; page-aligned bytes move in place). The two alternate per
+repeat in one process; GB/s are medians of the repeats (wall time: the disk, not the CPU, is
+measured). Neither calls ``fsync``: with ``O_DIRECT`` the bytes reach the device, without it (a
+refused file system) both sides go through the page cache alike.
 
     .venv/bin/python benchmarks/disk_store.py --out benchmarks/results/disk_store.json
 """
