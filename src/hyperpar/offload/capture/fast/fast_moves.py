@@ -367,6 +367,9 @@ class MovingStep:
         if s.host is not None:
             self.pool.release(s.host, s.h2d)
             s.host = None
+        if s.h2d is not None:  # a later copy out of these bytes must read them landed (its
+            self.engine.wait(s.h2d)  # own slab's event need not be this copy's), as the
+            s.h2d = None  # manager's release_host settles its copies in
 
     def paged_slot(self, storage: torch.UntypedStorage) -> int | None:
         """The slot whose paged-in copy ``storage`` is, or None."""
