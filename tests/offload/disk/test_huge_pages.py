@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import torch
 
 from hyperpar.offload.runtime.disk_store import ALIGN, aligned_bytes
 from hyperpar.offload.runtime.host_pool import HostPool
-from hyperpar.offload.runtime.huge_pages import HUGE_PAGE, advise_huge_pages, huge_page_bytes
+from hyperpar.offload.runtime.huge_pages import HUGE_PAGE, huge_page_bytes
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -45,15 +46,19 @@ def test_buffers_are_aligned_and_whole(nbytes: int) -> None:
     assert int(out.sum()) == 7 * nbytes
 
 
-def test_a_buffer_under_one_huge_page_is_not_advised() -> None:
-    assert not advise_huge_pages(torch.empty(HUGE_PAGE - 1, dtype=torch.uint8))
+def test_a_huge_page_buffer_lives_as_long_as_a_view_of_it() -> None:
+    view = huge_page_bytes(3 * HUGE_PAGE)[HUGE_PAGE:HUGE_PAGE + 8]
+    gc.collect()
+    view.fill_(5)
+    assert int(view.sum()) == 40
 
 
 @pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="no transparent huge pages here")
 def test_the_disk_tiers_buffers_are_backed_by_huge_pages() -> None:
     """The store's aligned buffers and the pool's page-aligned arenas (the disk tier's) map
-    huge pages once touched: the advice was taken. (A machine short of free huge pages may
-    still give some 4 KiB ones: at least one huge page is asked, not all.)"""
+    huge pages once touched, however much of the heap earlier tests touched: they are fresh
+    mappings that asked for them. (A machine short of free huge pages may still give some
+    4 KiB ones: at least one huge page is asked, not all.)"""
     store_buffer = aligned_bytes(8 * HUGE_PAGE)
     store_buffer.fill_(1)
     pool = HostPool(16 * HUGE_PAGE, align=ALIGN)

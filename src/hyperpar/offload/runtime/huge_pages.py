@@ -6,66 +6,44 @@ four. Measured on this project's machine (a virtual disk, 1 GiB written and read
 8 MiB transfers, ``benchmarks/disk_store.py``'s raw measure): 0.51-0.61 s of wall time and
 40-54 ms of system time with 4 KiB pages, 0.25 s and 2-8 ms with huge pages.
 
-Linux hands out huge pages to an anonymous range that asks for them
-(``madvise(MADV_HUGEPAGE)``) before its pages are first touched, when transparent huge
-pages are not ``never``; anywhere else (another OS, THP off, no libc) the bytes are plain
-pages, as before, and nothing is said: only speed differs.
+Linux hands huge pages to an anonymous range that asks for them (``MADV_HUGEPAGE``) before
+its pages are first touched, when transparent huge pages are not ``never``. So these bytes
+are a fresh anonymous mapping of their own (memory ``malloc`` hands back may have been
+touched already, in 4 KiB pages), 2 MiB-aligned, freed when the tensor is. Anywhere else
+(another OS, THP off) they are plain pages, as before, and nothing is said: only speed
+differs.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import logging
-import sys
+import mmap
 
 import torch
 
 logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20  # x86-64 and arm64 (4 KiB base pages): the size THP maps a range with
-MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
+_ADVICE = getattr(mmap, "MADV_HUGEPAGE", None)  # None: this platform has none
 
 
-@functools.cache
-def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    if not sys.platform.startswith("linux"):
-        return None
+def huge_page_bytes(nbytes: int, align: int = 4096) -> torch.Tensor:
+    """``nbytes`` uninitialized CPU bytes starting at an ``align`` boundary; from one huge page
+    on (where the platform has ``MADV_HUGEPAGE``), a mapping of their own, 2 MiB-aligned, on
+    huge pages where the OS gives them."""
+    if nbytes < HUGE_PAGE or _ADVICE is None or not hasattr(mmap, "MAP_ANONYMOUS"):
+        buffer = torch.empty(nbytes + align, dtype=torch.uint8)
+        start = -buffer.data_ptr() % align
+        return buffer[start:start + nbytes]
+    step = max(align, HUGE_PAGE)
+    whole_pages = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+    # private and anonymous (Python's default, shared, is shmem: no THP), untouched; the
+    # tensor keeps the mapping alive
+    mapping = mmap.mmap(-1, whole_pages + step, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = torch.frombuffer(mapping, dtype=torch.uint8)
+    start = -whole.data_ptr() % step
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def huge_page_bytes(nbytes: int, align: int = HUGE_PAGE) -> torch.Tensor:
-    """``nbytes`` uninitialized CPU bytes starting at an ``align`` boundary (at least a huge
-    page's, for ranges of one or more), asked to be backed by huge pages where the OS can."""
-    start_align = max(align, HUGE_PAGE) if nbytes >= HUGE_PAGE else align
-    buffer = torch.empty(nbytes + start_align, dtype=torch.uint8)
-    start = -buffer.data_ptr() % start_align
-    out = buffer[start:start + nbytes]
-    if nbytes >= HUGE_PAGE:
-        advise_huge_pages(out)
-    return out
-
-
-def advise_huge_pages(tensor: torch.Tensor) -> bool:
-    """Ask that the whole huge pages inside ``tensor``'s bytes be huge (before they are first
-    touched: pages already there stay as they are); whether the OS took the advice."""
-    madvise = _madvise()
-    if madvise is None:
-        return False
-    ptr = tensor.data_ptr()
-    first = -ptr % HUGE_PAGE
-    length = (tensor.numel() * tensor.element_size() - first) // HUGE_PAGE * HUGE_PAGE
-    if length <= 0:
-        return False
-    if madvise(ptr + first, length, MADV_HUGEPAGE) != 0:
-        logger.debug("madvise(MADV_HUGEPAGE) refused (errno %d): plain pages", ctypes.get_errno())
-        return False
-    return True
+        mapping.madvise(_ADVICE, start, whole_pages)
+    except OSError as exc:  # THP compiled out, or refused: plain pages
+        logger.debug("madvise(MADV_HUGEPAGE) refused (%s): plain pages", exc)
+    return whole[start:start + nbytes]
