@@ -1,10 +1,11 @@
 """The disk tier on the demo's GPT at a large batch (issue 42): step time with the host budget a
 quarter of what a step moves, against host-only offload without a host budget and plain.
 
-One process, one torch thread; plain, host-only offload (``max_resident_fraction``) and the
+One process, one torch thread; plain, host-only offload (``max_resident_fraction``), the
 disk tier (the same device budget, ``max_host_activation_mb`` = ``--host-share`` of the bytes
-a host-only replay moves, ``disk_dir`` a temporary folder of ``--dir``) take turns step by
-step on three copies of the model; their losses must be bitwise equal. Then each offload
+a host-only replay moves, ``disk_dir`` a temporary folder of ``--dir``) and the same tier on
+its online policy without the plan's disk plan (the ablation, ``planned_over_online``) take
+turns step by step on four copies of the model; their losses must be bitwise equal. Then each offload
 run goes on alone for ``--rss-steps`` steps with the process's peak RSS reset before it
 (``/proc/self/clear_refs``), so the peak host memory of each stands side by side. The raw
 bandwidth of the same disk is measured as ``benchmarks/disk_store.py`` does (8 MiB
@@ -103,9 +104,12 @@ def measure(args: argparse.Namespace, directory: str) -> dict[str, Any]:
         probe.step(x, y)
     moved = probe.reports[-1]["bytes_d2h"]
     host_mb = args.host_share * moved / MIB
-    disk = OffloadSession(OffloadConfig(max_resident_activation_mb=device_mb, max_host_activation_mb=host_mb,
-                                        disk_dir=directory))
-    runs = {"plain": _Run(spec, None), "host_only": probe, "disk": _Run(spec, disk)}
+    tiered = OffloadConfig(max_resident_activation_mb=device_mb, max_host_activation_mb=host_mb,
+                           disk_dir=directory)
+    disk, online = OffloadSession(tiered), OffloadSession(tiered)
+    online._disk_plans = False  # the ablation: the tier's online policy, no disk plan
+    runs = {"plain": _Run(spec, None), "host_only": probe, "disk": _Run(spec, disk),
+            "disk_online": _Run(spec, online)}
     probe.wall_ms.clear()
     probe.losses.clear()
     probe.reports.clear()
@@ -125,9 +129,15 @@ def measure(args: argparse.Namespace, directory: str) -> dict[str, Any]:
     ratios = {name: [w / p for w, p in zip(r.wall_ms, runs["plain"].wall_ms, strict=True)]
               for name, r in runs.items() if name != "plain"}
     disk_over_host = [d / h for d, h in zip(runs["disk"].wall_ms, runs["host_only"].wall_ms, strict=True)]
+    planned_over_online = [d / o for d, o in zip(runs["disk"].wall_ms, runs["disk_online"].wall_ms,
+                                                 strict=True)]
+    online_steady = runs["disk_online"].reports[args.settle:]
+    online_mib = {way: sum(r[f"bytes_{way}"] for r in online_steady) / MIB / len(online_steady)
+                  for way in ("to_disk", "from_disk")}
     extra_ms = [d - h for d, h in zip(runs["disk"].wall_ms, runs["host_only"].wall_ms, strict=True)]
     timed = _timed_estimate(disk, host_mb, to_disk, from_disk, write_ms, read_ms)
     disk.close()
+    online.close()
     rss = {name: _in_fresh_process(args, device_mb, host_mb if name == "disk" else None, directory)
            for name in ("host_only", "disk")}
     disk.close()
@@ -146,6 +156,9 @@ def measure(args: argparse.Namespace, directory: str) -> dict[str, Any]:
         "wall_ms": {name: r.wall_ms for name, r in runs.items()},
         "steady_over_plain": {name: _steady(v, args.settle) for name, v in ratios.items()},
         "disk_over_host_only": _steady(disk_over_host, args.settle),
+        # the disk plan against the tier's online policy (the same budgets, step by step)
+        "planned_over_online": _steady(planned_over_online, args.settle),
+        "online_per_step_mib": online_mib,
         "disk_paths": [r.get("replay_path") or r["phase"] for r in disk_reports],
         "per_step_mib": {"to_disk": to_disk / MIB / len(steady), "from_disk": from_disk / MIB / len(steady)},
         "io": {"write_gbps": write_gbps, "read_gbps": read_gbps, "raw_write_gbps": raw_w,
@@ -169,8 +182,11 @@ def _timed_estimate(session: OffloadSession, host_mb: float, to_disk: int, from_
     trace, schedule = plan.trace, plan.schedule
     write = to_disk / (write_ms * 1e6) if write_ms else 1.0
     read = from_disk / (read_ms * 1e6) if read_ms else 1.0
-    est = host_tier(trace, schedule, int(host_mb * MIB), write, read, timeline=simulate(trace, schedule))
-    return {"disk_wait_ms": est.disk_wait_ms, "room_ms": est.disk_wait_room_ms,
+    sim = simulate(trace, schedule)
+    est = host_tier(trace, schedule, int(host_mb * MIB), write, read, timeline=sim)
+    online = host_tier(trace, schedule, int(host_mb * MIB), write, read, timeline=sim, disk_plan=False)
+    return {"disk_wait_ms": est.disk_wait_ms, "online_disk_wait_ms": online.disk_wait_ms,
+            "online_bytes_to_disk": online.bytes_to_disk, "room_ms": est.disk_wait_room_ms,
             "read_ahead_ms": est.disk_wait_read_ahead_ms, "on_demand_ms": est.disk_wait_on_demand_ms,
             "plan_step_ms": est.step_ms, "write_gbps": write,
             "read_gbps": read, "bytes_to_disk": est.bytes_to_disk, "bytes_from_disk": est.bytes_from_disk}
@@ -252,9 +268,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"moved {doc['moved_per_step_mib']:.1f} MiB a step, host budget {doc['host_budget_mib']:.1f} MiB; "
           f"bitwise {doc['bitwise']}")
     print(f"step over plain: host only {s['host_only']['median']:.2f}x, disk tier "
-          f"{s['disk']['median']:.2f}x; disk / host only {doc['disk_over_host_only']['median']:.2f}x")
+          f"{s['disk']['median']:.2f}x; disk / host only {doc['disk_over_host_only']['median']:.2f}x; "
+          f"disk plan / online policy {doc['planned_over_online']['median']:.3f}x")
     per = doc["per_step_mib"]
-    print(f"disk per step: {per['to_disk']:.1f} MiB out, {per['from_disk']:.1f} MiB in; I/O "
+    online = doc["online_per_step_mib"]
+    print(f"disk per step: {per['to_disk']:.1f} MiB out, {per['from_disk']:.1f} MiB in (online policy "
+          f"{online['to_disk']:.1f} / {online['from_disk']:.1f}); I/O "
           f"{io['write_gbps']:.2f} / {io['read_gbps']:.2f} GB/s against raw {io['raw_write_gbps']:.2f} / "
           f"{io['raw_read_gbps']:.2f} GB/s")
     for name, m in mem.items():

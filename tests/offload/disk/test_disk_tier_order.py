@@ -84,3 +84,19 @@ def test_the_plans_order_is_each_storages_last_copy_back() -> None:
     schedule.pre[5].append(ResidencyAction(Kind.COPY_H2D, 7))  # ... and back for backward: the last
     schedule.post[4].append(ResidencyAction(Kind.RELEASE_HOST, 9))
     assert last_copy_in(PackedSchedule(schedule)) == {7: 5, 9: 2}
+
+
+@pytest.mark.parametrize(("must_go", "written"), [(None, [0, 2]), (frozenset({0}), [0]),
+                                                   (frozenset(), [])])
+def test_writes_ahead_of_need_take_only_the_copies_the_disk_plan_says_must_go(
+        tmp_path: Path, must_go: frozenset[int] | None, written: list[int]) -> None:
+    """The plan brings 0 back last, then 2. Past half the budget, writes ahead take the copy
+    needed last among the ones the disk plan says must go (all without a disk plan); room that
+    runs short after all still takes any."""
+    tier, _ = _tier(tmp_path)
+    tier.begin_step({0: 40, 1: 10, 2: 30, 3: 20}, must_go=must_go)
+    entries = _evict_four(tier)
+    assert [e.sid for e in entries if e.host is None] == written
+    tier.make_room(4 * SLAB)  # the whole budget: any copy goes, the one needed last first
+    assert all(e.host is None for e in entries)
+    tier.close()

@@ -307,3 +307,26 @@ def test_a_host_budget_the_plan_fits_in_writes_nothing_to_disk(tmp_path: Path) -
     assert all(r.bytes_d2h > 0 for r in reports[1:]), "the plan moves nothing: the test tests nothing"
     assert [r.bytes_to_disk for r in reports[1:]] == [0] * 4, [r.bytes_to_disk for r in reports]
     session.close()
+
+
+@pytest.mark.usefixtures("steady_link")  # the same plan in both sessions
+def test_a_plans_steps_write_only_what_the_host_budget_cannot_hold(tmp_path: Path) -> None:
+    """With a plan the tier writes ahead of need only the copies its disk plan says must go
+    (``planning.disk_plan``); without one (``_disk_plans`` off: the first step's policy on
+    every step) it writes past half the budget whatever comes next. Both bitwise; at a host
+    budget of 30 % of the MLP's peak the plan's steps wrote 576 KiB each against 1152-1216."""
+    peak = _peak()
+    written = {}
+    for planned in (True, False):
+        directory = tmp_path / str(planned)
+        directory.mkdir()
+        session = OffloadSession(OffloadConfig(max_resident_activation_mb=0.6 * peak / MIB,
+                                               max_host_activation_mb=0.3 * peak / MIB, disk_dir=directory))
+        session._disk_plans = planned
+        reports = list(_twin_steps(_model(), _model(), session, range(6)))
+        plan = session._current
+        assert plan is not None and (plan.disk_plan is not None) == planned
+        written[planned] = sum(r.bytes_to_disk for r in reports[1:])  # the steps with a plan
+        session.close()
+        assert _files(directory) == []
+    assert 0 < written[True] <= 0.75 * written[False], written

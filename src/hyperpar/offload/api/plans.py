@@ -16,6 +16,7 @@ from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
 from hyperpar.offload.ir.packed import PackedTrace
 from hyperpar.offload.ir.packed_schedule import PackedSchedule
 from hyperpar.offload.ir.report import StepReport
+from hyperpar.offload.planning.disk_plan import DiskPlan
 from hyperpar.offload.planning.floor import BudgetFloor
 
 
@@ -54,6 +55,7 @@ class Plan:
     # storage id -> the op of its last copy back to the device: the disk tier's order (made once)
     copy_in: dict[int, int] | None = None
     host_peak: int = 0  # the most host bytes its copies hold at once (``planning.host_tier.host_peak``)
+    disk_plan: DiskPlan | None = None  # with a host budget below ``host_peak``: the copies that must go
     kept_bytes: int = 0  # retained after the step (parameter gradients, the loss, outputs)
     movable_peak_bytes: int = 0  # the peak of the rest, without offload
 

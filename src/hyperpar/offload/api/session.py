@@ -123,6 +123,7 @@ class OffloadSession(FastSteps, RecomputeSteps):
         self._budget_bytes = config.budget_bytes  # max_resident_fraction: resolved at the first trace
         self._said_below_floor = False
         self._said_disk_tier = False
+        self._disk_plans = True  # plans tell the disk tier which copies must go (off: any may)
         self._said_below_fast_floor = False
         self._recompute_init()
         self._hooks_held = False
@@ -285,13 +286,20 @@ class OffloadSession(FastSteps, RecomputeSteps):
         tier = self._manager.tier
         if tier is None:
             return
-        if plan is not None and plan.copy_in is None:
-            from hyperpar.offload.planning.host_tier import host_peak  # planning beside capture
+        if plan is None:
+            tier.begin_step(None)
+            return
+        if plan.copy_in is None:
+            from hyperpar.offload.planning.disk_plan import plan_disk  # planning beside capture
+            from hyperpar.offload.planning.host_tier import host_peak
 
             plan.copy_in = last_copy_in(plan.packed_schedule)
             plan.host_peak = host_peak(plan.trace, plan.schedule, self._pool.align)
-        tier.begin_step(None if plan is None else plan.copy_in,
-                        ahead=plan is None or plan.host_peak > tier.budget_bytes)
+            if plan.host_peak > tier.budget_bytes and self._disk_plans:
+                plan.disk_plan = plan_disk(plan.trace, plan.schedule, tier.budget_bytes, self._pool.align)
+        disk = plan.disk_plan
+        tier.begin_step(plan.copy_in, ahead=plan.host_peak > tier.budget_bytes,
+                        must_go=None if disk is None else disk.must_go)
 
     def close(self) -> None:
         """Give back what the session holds between steps: host slabs, the disk tier's file

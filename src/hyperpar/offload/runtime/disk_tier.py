@@ -102,6 +102,7 @@ class DiskTier:
         self._said_past_budget = False  # a read past the host budget was said this step
         self._ahead = True  # writes ahead of need (``begin_step``)
         self.copy_in: dict[int, int] | None = None  # the plan's order of copies back (``begin_step``)
+        self._must_go: frozenset[int] | None = None  # the plan's copies that must go to disk (``begin_step``)
         self.origin = time.perf_counter()  # the step's start, for ``spans``
         self.spans: list[CopySpan] = []  # the step's writes and reads, for the timeline
         self.bytes_to_disk = 0
@@ -219,15 +220,19 @@ class DiskTier:
         rec.slab = None
         self._free_extent(rec)
 
-    def begin_step(self, copy_in: dict[int, int] | None = None, ahead: bool = True) -> None:
+    def begin_step(self, copy_in: dict[int, int] | None = None, ahead: bool = True,
+                   must_go: frozenset[int] | None = None) -> None:
         """The step's counters from zero; a write failure is tried (and said) again. ``copy_in``:
         the plan's op of each storage's copy back to the device (``ir.packed_schedule.last_copy_in``),
         by which copies are spilled (the one needed last first) and read back (the one needed
         first first); None (the first step, no plan yet): by age, oldest out, newest back.
         ``ahead``: write copies out ahead of need past ``SPILL_AT``; off where the plan's host
-        copies fit the budget (they are then written only if room runs short after all)."""
+        copies fit the budget (they are then written only if room runs short after all).
+        ``must_go``: the storages whose copies the plan's disk plan writes (``planning.disk_plan``):
+        writes ahead of need take only these (room that runs short after all takes any)."""
         self.copy_in = copy_in
         self._ahead = ahead
+        self._must_go = must_go
         self.origin = time.perf_counter()
         self.spans = []
         self._failed = None
@@ -269,22 +274,25 @@ class DiskTier:
     def _spill_ahead(self) -> None:
         if self._ahead and self.pool.in_use_bytes > SPILL_AT * self.budget_bytes:
             self._collect()
-            self._spill_until(int(SPILL_AT * self.budget_bytes))
+            self._spill_until(int(SPILL_AT * self.budget_bytes), self._must_go)
 
-    def _spill_until(self, target: int) -> None:
-        """Start writes, oldest copy first, until the slabs not being written fit ``target``."""
+    def _spill_until(self, target: int, among: frozenset[int] | None = None) -> None:
+        """Start writes, oldest copy first, until the slabs not being written fit ``target``
+        (``among``: copies of these storages only)."""
         writing = sum(aligned(r.nbytes) for r in self._spilled.values() if r.writing)
         while self.pool.in_use_bytes - writing > target and self._failed is None:
-            size = self._spill_oldest(wait=False)
+            size = self._spill_oldest(wait=False, among=among)
             if not size:
                 return
             writing += size
 
-    def _spill_oldest(self, wait: bool) -> int:
-        """Start writing the oldest host copy (``wait``: and wait for it); its slab's size, 0 if none."""
-        if self._failed is not None or not self._host:
+    def _spill_oldest(self, wait: bool, among: frozenset[int] | None = None) -> int:
+        """Start writing the oldest host copy (``wait``: and wait for it; ``among``: of these
+        storages); its slab's size, 0 if none."""
+        host = self._host if among is None else OrderedDict((e, None) for e in self._host if e.sid in among)
+        if self._failed is not None or not host:
             return 0 if not wait else int(self._wait_oldest_write())
-        entry = self._latest_needed(self._host)
+        entry = self._latest_needed(host)
         del self._host[entry]
         if entry.host_event is not None:
             self._finish(entry.host_event)  # its copy off the device has written the slab
