@@ -396,6 +396,10 @@ def disk_tier(doc: dict[str, Any]) -> list[Figure]:
         figure("disk tier step over host-only offload", doc["disk_over_host_only"]["median"], "x", model,
                page),
         figure("disk tier step over plain", doc["steady_over_plain"]["disk"]["median"], "x", model, page),
+        *([figure("disk plan step over online policy", doc["planned_over_online"]["median"], "x",
+                  f"the same tier without the plan's disk plan; "
+                  f"{doc['per_step_mib']['to_disk']:.1f} vs {doc['online_per_step_mib']['to_disk']:.1f} "
+                  f"MiB a step to disk", page)] if "planned_over_online" in doc else []),
         figure("disk tier writes over raw", io["write_over_raw"], "x",
                "I/O thread write bandwidth / raw 8 MiB O_DIRECT writes, same disk", page, goal=">= 0.8"),
         figure("disk tier reads over raw", io["read_over_raw"], "x",
