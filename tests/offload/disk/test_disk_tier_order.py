@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from hyperpar.offload.runtime import disk_tier
 from hyperpar.offload.runtime.disk_tier import DiskTier
 from hyperpar.offload.runtime.host_pool import HostPool
 
@@ -98,5 +99,26 @@ def test_writes_ahead_of_need_take_only_the_copies_the_disk_plan_says_must_go(
     entries = _evict_four(tier)
     assert [e.sid for e in entries if e.host is None] == written
     tier.make_room(4 * SLAB)  # the whole budget: any copy goes, the one needed last first
+    assert all(e.host is None for e in entries)
+    tier.close()
+
+
+def test_a_small_copy_is_written_only_when_no_larger_one_can_be(tmp_path: Path) -> None:
+    """Without a plan the copy evicted longest ago goes first, but not a small one (a direct
+    transfer's fixed cost for little room) while a larger copy can go instead."""
+    large = disk_tier.SMALL_BYTES
+    pool = HostPool(4 * large, align=4096)
+    tier = DiskTier(tmp_path, 4 * large, pool, finish=lambda event: None, is_done=lambda event: True,
+                    drop_copy=lambda entry: None)
+    tier.begin_step(None)
+    entries = [_Entry(sid) for sid in range(4)]
+    for e in entries:
+        e.nbytes = SLAB if e.sid == 0 else large
+        got = tier.acquire(e.nbytes)
+        assert got is not None
+        e.host = got[0]
+        tier.evicted(e)
+    assert [e.sid for e in entries if e.host is None] == [1, 2]  # not 0, the oldest
+    tier.make_room(4 * large)  # the whole budget: the small one too, once no large one is left
     assert all(e.host is None for e in entries)
     tier.close()

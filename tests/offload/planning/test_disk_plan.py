@@ -10,6 +10,7 @@ from hyperpar.offload.planning import simulate
 from hyperpar.offload.planning.disk_plan import plan_disk
 from hyperpar.offload.planning.host_tier import host_tier
 from tests.offload.planning.test_host_tier import M, _four, _offload_all, zero_back_first
+from tests.offload.planning.trace_builders import make_trace
 
 
 def test_only_the_copies_the_budget_cannot_hold_must_go() -> None:
@@ -75,3 +76,13 @@ def test_sizes_are_counted_as_the_pool_carves_them() -> None:
 def test_bad_arguments(budget: int, align: int, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         plan_disk(_four(), _offload_all(prefetch=False), budget, align)
+
+
+def test_a_small_copy_goes_to_disk_only_when_no_larger_one_can() -> None:
+    """Storage 0 is needed last but is 64 KiB: writing it first would free little room for a
+    direct write's fixed cost, and 1 (1 MB, needed next to last) would have to go anyway."""
+    small = 64 << 10
+    ops = [(f"w{i}", 1.0) for i in range(4)] + [(f"r{3 - k}", 1.0) for k in range(4)]
+    trace = make_trace(ops, {0: small, 1: M, 2: M, 3: M}, budget=M)
+    plan = plan_disk(trace, _offload_all(prefetch=False), 2 * M + small)
+    assert plan.must_go == frozenset({1}) and plan.bytes_to_disk == M

@@ -105,6 +105,7 @@ def test_io_time_against_compute() -> None:
 
 def test_the_marks_are_the_runtimes() -> None:
     assert (model.SPILL_AT, model.READ_AT) == (disk_tier.SPILL_AT, disk_tier.READ_AT)
+    assert model.SMALL_BYTES == disk_tier.SMALL_BYTES
 
 
 @pytest.mark.parametrize(("budget", "write", "read"), [(-1, 1.0, 1.0), (M, 0.0, 1.0), (M, 1.0, -2.0)])

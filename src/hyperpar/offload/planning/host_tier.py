@@ -43,9 +43,9 @@ from typing import Any
 from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
 from hyperpar.offload.planning.disk_plan import plan_disk
 from hyperpar.offload.planning.simulate import SimResult
-from hyperpar.offload.planning.tier_model import READ_AT, SPILL_AT, DiskClock, TierModel
+from hyperpar.offload.planning.tier_model import READ_AT, SMALL_BYTES, SPILL_AT, DiskClock, TierModel
 
-__all__ = ["READ_AT", "SPILL_AT", "HostTierEstimate", "host_peak", "host_tier"]
+__all__ = ["READ_AT", "SMALL_BYTES", "SPILL_AT", "HostTierEstimate", "host_peak", "host_tier"]
 WAIT_SAID = 0.05  # timed waits for the disk over this share of the step are said
 # The raw O_DIRECT figures of benchmarks/results/disk_store.json on this repository's CI machine
 # before huge pages (from 4 KiB pages; on huge pages it measured 3.85 / 3.92): a disk's floor.

@@ -16,6 +16,7 @@ from hyperpar.offload.ir import ResidencyActionType as Act
 _NEVER = 1 << 62
 SPILL_AT = 0.5  # as runtime.disk_tier.SPILL_AT
 READ_AT = 0.75  # as runtime.disk_tier.READ_AT
+SMALL_BYTES = 256 << 10  # as runtime.disk_tier.SMALL_BYTES
 
 
 class DiskClock:
@@ -193,10 +194,11 @@ class TierModel:
         """Write evicted copies (the one the plan brings back last first; ``among``: of these
         storages only) until in use is down to ``target``."""
         while self.in_use > target:
-            host = self.host if among is None else [sid for sid in self.host if sid in among]
+            host = list(self.host) if among is None else [sid for sid in self.host if sid in among]
             if not host:
                 return
-            self.write(max(host, key=self._comes_back))  # the one the plan brings back last
+            large = [sid for sid in host if self.sizes.get(sid, 0) >= SMALL_BYTES]
+            self.write(max(large or host, key=self._comes_back))  # the one the plan brings back last
 
     def write(self, sid: int) -> None:
         """Write ``sid``'s evicted copy to disk."""
