@@ -12,7 +12,10 @@ storage leaves the device (``evicted``) and when its bytes must be on host again
   newest on disk first (an encoder output that every decoder layer reads is where age misleads). Once the
   slabs in use pass ``SPILL_AT`` of the budget, copies are written out oldest first on the
   tier's I/O thread, ahead of need (room for the next slabs before they are asked for); a
-  slab the budget needs now waits for those writes.
+  slab the budget needs now waits for those writes. With a plan, writes ahead of need take
+  only the copies its disk plan says must go (``begin_step(must_go=...)``,
+  ``planning.disk_plan``): no copy the budget could hold is written. A copy under
+  ``SMALL_BYTES`` is written only when no larger one can be.
 - **Read back the newest first.** Each copy back to the device (backward, mostly) frees host
   room (its host copy is dropped once that copy in is done); the tier then starts reading the
   most recently spilled extents into host while the slabs in use stay under ``READ_AT`` of
