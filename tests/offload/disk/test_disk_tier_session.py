@@ -218,9 +218,11 @@ def test_a_missing_or_non_directory_disk_dir_fails_when_the_session_is_built(tmp
 def test_a_fast_step_whose_copy_finds_no_host_room_hands_over_to_the_dispatch_mode(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A host budget below one storage the plan moves: no copy out finds room, so the storage
-    stays on the device past the plan's bytes; a fast step must not report the plan's peak
-    then, it goes on under the dispatch mode, which measures (and keeps what it can). The
-    session says so once, when it plans."""
+    stays on the device past the plan's bytes. The checked replay says so (host cap hits) and
+    teaches the fast path nothing: every step is checked, none falls back, and each reports
+    its real peak over the budget. (A fast step whose copies find no room all the same hands
+    over to the dispatch mode: ``test_a_fast_step_whose_end_fails_leaves_no_mode_and_no_file``.)
+    The session says so once, when it plans."""
     caplog.set_level(logging.WARNING, logger="hyperpar.offload.api.session")
     peak = _peak()
     session = OffloadSession(OffloadConfig(max_resident_activation_mb=0.6 * peak / MIB,
@@ -231,7 +233,7 @@ def test_a_fast_step_whose_copy_finds_no_host_room_hands_over_to_the_dispatch_mo
         paths.append(report.replay_path)
         if report.replay_path != "fast":
             assert report.peak_resident_bytes > report.budget_bytes, "no copy left: the step must be over"
-    assert "fast" not in paths, paths
+    assert paths[1:] == ["checked"] * 5, paths
     said = [r.getMessage() for r in caplog.records if "host budget" in r.getMessage()]
     assert len(said) == 1 and "stay on the device" in said[0], said
     session.close()

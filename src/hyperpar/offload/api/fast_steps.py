@@ -289,10 +289,13 @@ class FastSteps:
 
     def _learn_packs(self, executor: ExecutorBase, recorder: SavedTensorGuard) -> None:
         """A checked replay that followed its plan to the end: its saved tensors are what a
-        fast step of that plan must save."""
+        fast step of that plan must save. Not one where a copy found no host room (the host
+        pool's cap, or a host budget whose room copies in flight held): a fast step of that plan
+        would find none either and hand the step to the dispatch mode, a fallback, after the
+        copies it made; the plan stays checked until a checked step finds room for all."""
         running = self._running
         if not (isinstance(executor, ReplayExecutor) and running is not None and executor.diverged_at is None
-                and recorder.count and not recorder.lifted):
+                and recorder.count and not recorder.lifted and not self._manager.cap_hits):
             return
         structure = self._structures.get(running.signature)
         # the plan the step ended on (replay switches to the plan of the step's size), if the
