@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
-from hyperpar.offload.planning.tier_model import TierModel
+from hyperpar.offload.planning.tier_model import TierModel, carved_sizes
 
 
 @dataclass(frozen=True)
@@ -49,17 +49,15 @@ def plan_disk(trace: ActivationTrace, schedule: ResidencySchedule, host_budget_b
         raise ValueError(f"host_budget_bytes must be >= 0, got {host_budget_bytes}")
     if align < 1:
         raise ValueError(f"align must be >= 1, got {align}")
-    sizes = {sid: -(-n // align) * align for sid, n in trace.storage_sizes.items()}
-    need = _AtNeed(sizes, host_budget_bytes, [a for _, _, a in schedule.actions()])
+    need = _AtNeed(carved_sizes(trace.storage_sizes, align), host_budget_bytes,
+                   [a for _, _, a in schedule.actions()], ahead=False)
     need.run()
     return DiskPlan(host_budget_bytes, frozenset(need.spilled), need.to_disk)
 
 
 class _AtNeed(TierModel):
-    """The tier with writes only where room runs short and every read on demand."""
-
-    def __init__(self, sizes: dict[int, int], budget: int, actions: list[object]) -> None:
-        super().__init__(sizes, budget, actions, ahead=False)
+    """The tier (built with ``ahead=False``: writes only where room runs short) with every read
+    on demand."""
 
     def read_ahead(self, in_flight: int) -> None:
         return None  # reads ahead take room that would then have to be made: not the plan's to count

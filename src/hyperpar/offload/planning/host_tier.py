@@ -43,7 +43,14 @@ from typing import Any
 from hyperpar.offload.ir import ActivationTrace, ResidencySchedule
 from hyperpar.offload.planning.disk_plan import plan_disk
 from hyperpar.offload.planning.simulate import SimResult
-from hyperpar.offload.planning.tier_model import READ_AT, SMALL_BYTES, SPILL_AT, DiskClock, TierModel
+from hyperpar.offload.planning.tier_model import (
+    READ_AT,
+    SMALL_BYTES,
+    SPILL_AT,
+    DiskClock,
+    TierModel,
+    carved_sizes,
+)
 
 __all__ = ["READ_AT", "SMALL_BYTES", "SPILL_AT", "HostTierEstimate", "host_peak", "host_tier"]
 WAIT_SAID = 0.05  # timed waits for the disk over this share of the step are said
@@ -183,7 +190,7 @@ def host_peak(trace: ActivationTrace, schedule: ResidencySchedule, align: int = 
     """The most host bytes ``schedule``'s copies hold at once without a host budget, each copy's
     slab ``align``-rounded as the host pool carves it: a host budget at or above it needs no
     disk (the runtime then writes nothing ahead of need)."""
-    sizes = {sid: -(-n // align) * align for sid, n in trace.storage_sizes.items()}
-    unbounded = TierModel(sizes, None, [a for _, _, a in schedule.actions()])
+    actions = [a for _, _, a in schedule.actions()]
+    unbounded = TierModel(carved_sizes(trace.storage_sizes, align), None, actions)
     unbounded.run()
     return unbounded.peak

@@ -1,9 +1,8 @@
 """The runtime disk tier's bookkeeping without slabs or threads, and its I/O thread in time.
 
-``planning.host_tier`` replays the runtime's online policy with it (its estimate), and
-``planning.disk_plan`` both finds a plan's spills with it and times that plan. Planning may
-not import the runtime, so the two marks are copied here (a test checks they still match
-``runtime.disk_tier``).
+``planning.host_tier`` replays the runtime's policy with it (its estimate), and
+``planning.disk_plan`` finds with it the copies a plan must write. Planning may not import the
+runtime, so its marks are copied here (a test checks they still match ``runtime.disk_tier``).
 """
 
 from __future__ import annotations
@@ -17,6 +16,11 @@ _NEVER = 1 << 62
 SPILL_AT = 0.5  # as runtime.disk_tier.SPILL_AT
 READ_AT = 0.75  # as runtime.disk_tier.READ_AT
 SMALL_BYTES = 256 << 10  # as runtime.disk_tier.SMALL_BYTES
+
+
+def carved_sizes(storage_sizes: dict[int, int], align: int) -> dict[int, int]:
+    """Each storage's copy as the host pool carves it: its bytes rounded up to ``align``."""
+    return {sid: -(-n // align) * align for sid, n in storage_sizes.items()}
 
 
 class DiskClock:

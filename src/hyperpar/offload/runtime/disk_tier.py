@@ -42,7 +42,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -296,11 +296,10 @@ class DiskTier:
     def _spill_oldest(self, wait: bool, among: frozenset[int] | None = None) -> int:
         """Start writing the oldest host copy (``wait``: and wait for it; ``among``: of these
         storages); its slab's size, 0 if none."""
-        host = self._host if among is None else OrderedDict((e, None) for e in self._host if e.sid in among)
+        host = list(self._host) if among is None else [e for e in self._host if e.sid in among]
         if self._failed is not None or not host:
             return 0 if not wait else int(self._wait_oldest_write())
-        large = OrderedDict((e, None) for e in host if e.nbytes >= SMALL_BYTES)
-        entry = self._latest_needed(large or host)
+        entry = self._latest_needed([e for e in host if e.nbytes >= SMALL_BYTES] or host)
         del self._host[entry]
         if entry.host_event is not None:
             self._finish(entry.host_event)  # its copy off the device has written the slab
@@ -353,7 +352,7 @@ class DiskTier:
         self._on_disk[entry] = None  # the newest again: read back first
         return True
 
-    def _latest_needed(self, entries: OrderedDict[Any, Any]) -> Any:
+    def _latest_needed(self, entries: Iterable[Any]) -> Any:
         """Of ``entries`` (oldest first), the one the plan copies back last (one it never copies
         back, before any), or without a plan the oldest."""
         copy_in = self.copy_in
